@@ -1,0 +1,79 @@
+"""durably — durable execution for AI agents whose tools have real side effects.
+
+Every business effect takes effect exactly once, whatever crashes, retries or replays
+happen, for tools whose service honours the idempotency key (``idempotent=True``) or can be
+asked what happened (``reconcile=``). Any other uncertain outcome stops at ``unknown`` and
+goes to a person; durably never guesses.
+"""
+
+from __future__ import annotations
+
+from durably.app import App, Durable, Run
+from durably.checkpoint import Checkpoint, register_checkpoint_migration
+from durably.context import RunInfo, current_run, idempotency_key
+from durably.definitions import RetryPolicy
+from durably.errors import (
+    CheckpointCorrupted,
+    ConfigurationError,
+    DurablyError,
+    IdempotencyConflict,
+    InvalidTransition,
+    LeaseLostError,
+    NonDeterminismError,
+    NotJSONSerializable,
+    OutcomeUnknown,
+    OutsideRunError,
+    PayloadTooLarge,
+    RunNotFound,
+    SchemaTooNew,
+    StepFailed,
+    ToolError,
+)
+from durably.faults import crash_point
+from durably.reconcile import Operation, Reconciliation
+from durably.status import (
+    FailureCategory,
+    OperationStatus,
+    PauseReason,
+    ReplayMode,
+    RunStatus,
+    StepStatus,
+)
+from durably.workflow_api import compensate
+
+__all__ = [
+    "App",
+    "Checkpoint",
+    "CheckpointCorrupted",
+    "ConfigurationError",
+    "Durable",
+    "DurablyError",
+    "FailureCategory",
+    "IdempotencyConflict",
+    "InvalidTransition",
+    "LeaseLostError",
+    "NonDeterminismError",
+    "NotJSONSerializable",
+    "Operation",
+    "OperationStatus",
+    "OutcomeUnknown",
+    "OutsideRunError",
+    "PauseReason",
+    "PayloadTooLarge",
+    "Reconciliation",
+    "ReplayMode",
+    "RetryPolicy",
+    "Run",
+    "RunInfo",
+    "RunNotFound",
+    "RunStatus",
+    "SchemaTooNew",
+    "StepFailed",
+    "StepStatus",
+    "ToolError",
+    "compensate",
+    "crash_point",
+    "current_run",
+    "idempotency_key",
+    "register_checkpoint_migration",
+]

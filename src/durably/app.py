@@ -1,0 +1,652 @@
+"""The App: a registry of workflows, steps and tools bound to one store, and its facade."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import os
+import secrets
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Generic, Literal, ParamSpec, TypeVar
+
+from durably import context, effects, runtime
+from durably.definitions import (
+    Classifier,
+    Reconciler,
+    RetryPolicy,
+    StepDef,
+    ToolDef,
+    WorkflowDef,
+    check_name,
+)
+from durably.errors import (
+    ConfigurationError,
+    DurablyError,
+    IdempotencyConflict,
+    InvalidTransition,
+    RunNotFound,
+)
+from durably.keys import DEFAULT_MAX_PAYLOAD_BYTES, canonical_json, sha256_hex
+from durably.metrics import Metrics
+from durably.reconcile import Operation
+from durably.status import FailureCategory, OperationStatus, RunStatus, StepStatus
+from durably.store import open_store
+from durably.store.base import (
+    EventWrite,
+    Expect,
+    NewRun,
+    OperationWrite,
+    RunRecord,
+    RunUpdate,
+    StepWrite,
+    Store,
+    Transition,
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+DEFAULT_DATABASE_URL = "sqlite:///durably.db"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run as its caller sees it."""
+
+    run_id: str
+    workflow: str
+    status: RunStatus
+    result: Any
+    error: dict[str, Any] | None
+    status_reason: str | None
+    waiting_for: dict[str, Any] | None
+    tenant: str
+    created_at: float
+    updated_at: float
+
+    @classmethod
+    def from_record(cls, r: RunRecord) -> Run:
+        return cls(
+            run_id=r.run_id,
+            workflow=r.workflow,
+            status=r.status,
+            result=None if r.result_json is None else _loads(r.result_json),
+            error=r.error,
+            status_reason=r.status_reason,
+            waiting_for=r.waiting_for,
+            tenant=r.tenant,
+            created_at=r.created_at,
+            updated_at=r.updated_at,
+        )
+
+
+def _loads(text: str) -> Any:
+    import json
+
+    return json.loads(text)
+
+
+class Durable(Generic[P, R]):
+    """A registered step or tool. Await calls to it inside a workflow."""
+
+    def __init__(
+        self,
+        definition: StepDef | ToolDef,
+        fn: Callable[P, R] | Callable[P, Awaitable[R]],
+        step_id: str | None = None,
+    ) -> None:
+        self.definition = definition
+        self.fn = fn
+        """The undecorated function, for calling it outside any run (unit tests)."""
+        self._step_id = step_id
+        functools.update_wrapper(self, fn)
+
+    def with_step_id(self, step_id: str) -> Durable[P, R]:
+        """The same call under an explicit, stable step id (instead of ``<name>#<n>``)."""
+        if not step_id or "|" in step_id:
+            raise ConfigurationError(f"step id {step_id!r} is empty or contains '|'")
+        return Durable(self.definition, self.fn, step_id)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
+        ctx = context.active()
+        # The step id is allocated now, not when the coroutine first runs, so calls
+        # gathered in parallel get ids in the order the workflow created them.
+        if isinstance(self.definition, ToolDef):
+            effect = effects.Effect(ctx, self.definition, args, kwargs, self._step_id)
+            return effect.settle()
+        return runtime.call_step(
+            ctx, self.definition, args, kwargs, self._step_id
+        )
+
+
+class App:
+    """Registry of workflows, steps and tools bound to one store.
+
+    Example::
+
+        app = durably.App("sqlite:///agent.db")
+
+        @app.workflow(version="1")
+        async def greet(name: str) -> str:
+            return await shout(name)
+    """
+
+    def __init__(
+        self,
+        database_url: str | None = None,
+        *,
+        lease_ttl: timedelta = timedelta(seconds=30),
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> None:
+        self.database_url = (
+            database_url or os.environ.get("DURABLY_DATABASE_URL") or DEFAULT_DATABASE_URL
+        )
+        self.lease_ttl = lease_ttl
+        self.max_payload_bytes = max_payload_bytes
+        self.metrics = Metrics()
+        self._workflows: dict[str, WorkflowDef] = {}
+        self._steps: dict[str, StepDef] = {}
+        self._tools: dict[str, ToolDef] = {}
+        self._compensations: dict[str, ToolDef] = {}
+        self._store: Store | None = None
+
+    # -- registration -------------------------------------------------------------------
+
+    def workflow(
+        self, *, name: str | None = None, version: str = "1"
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
+        """Register an ``async def`` as a workflow; its runs are pinned to ``version``."""
+
+        def register(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+            if not inspect.iscoroutinefunction(fn):
+                raise ConfigurationError(f"workflow {fn.__name__} must be an async def")
+            wf_name = name or fn.__name__
+            check_name("workflow", wf_name, self._workflows)
+            self._workflows[wf_name] = WorkflowDef(wf_name, fn, version)
+            fn.__durably_workflow__ = wf_name  # type: ignore[attr-defined]
+            return fn
+
+        return register
+
+    def step(
+        self, *, name: str | None = None, version: str = "1", retry: RetryPolicy | None = None
+    ) -> Callable[[Callable[P, R]], Durable[P, R]]:
+        """Register a step: a read, a computation or a model call, recorded once.
+
+        Sync functions run on a thread, ``async def`` on the loop. Any exception is retried
+        by ``retry`` (re-running a step is harmless), then recorded as failed.
+        """
+
+        def register(fn: Callable[P, R]) -> Durable[P, R]:
+            step_name = name or fn.__name__
+            check_name("step", step_name, {**self._steps, **self._tools})
+            d = StepDef(step_name, fn, version, retry or RetryPolicy(), inspect.signature(fn))
+            self._steps[step_name] = d
+            return Durable(d, fn)
+
+        return register
+
+    def tool(
+        self,
+        *,
+        name: str | None = None,
+        version: str = "1",
+        idempotent: bool = False,
+        reconcile: Reconciler | None = None,
+        external_id: Callable[[Any], Any] | None = None,
+        compensate: Callable[[Operation], Any] | None = None,
+        classify: Classifier | None = None,
+        retry: RetryPolicy | None = None,
+        redact: Sequence[str] = (),
+        operation_group: str | None = None,
+        timeout: timedelta | None = None,
+    ) -> Callable[[Callable[P, R]], Durable[P, R]]:
+        """Register a tool whose call has an external side effect (the effect ledger).
+
+        ``idempotent=True``: the service deduplicates by ``durably.idempotency_key()``, so an
+        unknown outcome is settled by re-sending the same key. ``reconcile=fn``: asked what
+        happened when the outcome is unknown. With neither, an unknown outcome pauses the run
+        for a person. ``timeout`` bounds one execution; a timeout is an unknown outcome.
+        """
+
+        def register(fn: Callable[P, R]) -> Durable[P, R]:
+            tool_name = name or fn.__name__
+            check_name("tool", tool_name, {**self._steps, **self._tools})
+            signature = inspect.signature(fn)
+            missing = [r for r in redact if r not in signature.parameters]
+            if missing:
+                raise ConfigurationError(
+                    f"tool {tool_name}: redact names unknown arguments {missing}"
+                )
+            d = ToolDef(
+                name=tool_name,
+                fn=fn,
+                version=version,
+                retry=retry or RetryPolicy(),
+                signature=signature,
+                idempotent=idempotent,
+                reconcile=reconcile,
+                external_id=external_id,
+                compensate=compensate,
+                classify=classify,
+                redact=tuple(redact),
+                operation_group=operation_group,
+                timeout=timeout,
+            )
+            self._tools[tool_name] = d
+            return Durable(d, fn)
+
+        return register
+
+    def workflow_def(self, name: str) -> WorkflowDef:
+        try:
+            return self._workflows[name]
+        except KeyError:
+            raise ConfigurationError(
+                f"no workflow named {name!r} is registered in this app (known: "
+                f"{sorted(self._workflows)})"
+            ) from None
+
+    def tool_def(self, name: str) -> ToolDef:
+        try:
+            return self._tools[name]
+        except KeyError:
+            raise ConfigurationError(f"no tool named {name!r} is registered") from None
+
+    def compensation_def(self, tool: ToolDef) -> ToolDef:
+        """The compensation of ``tool``, itself an effect recorded in the ledger."""
+        if tool.name not in self._compensations:
+            undo = tool.compensate
+            assert undo is not None
+
+            def compensate(operation: dict[str, Any]) -> Any:
+                return undo(Operation(**operation))
+
+            self._compensations[tool.name] = ToolDef(
+                name=f"{tool.name}.compensate",
+                fn=compensate,
+                version=tool.version,
+                retry=tool.retry,
+                signature=inspect.signature(compensate),
+                idempotent=tool.idempotent,
+                classify=tool.classify,
+            )
+        return self._compensations[tool.name]
+
+    @property
+    def workflows(self) -> list[str]:
+        return sorted(self._workflows)
+
+    # -- store --------------------------------------------------------------------------
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise ConfigurationError("the store is not open yet; call app.open() or run a workflow")
+        return self._store
+
+    async def open(self) -> Store:
+        """Open the store and apply pending migrations (done on first use)."""
+        if self._store is None:
+            store = open_store(self.database_url)
+            await store.migrate()
+            self._store = store
+        return self._store
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await self._store.close()
+            self._store = None
+
+    # -- runs ---------------------------------------------------------------------------
+
+    def _resolve_workflow(self, workflow: Callable[..., Any] | str) -> WorkflowDef:
+        if isinstance(workflow, str):
+            return self.workflow_def(workflow)
+        name = getattr(workflow, "__durably_workflow__", None)
+        if name is None:
+            raise ConfigurationError(f"{workflow!r} is not a workflow of this app (@app.workflow)")
+        return self.workflow_def(name)
+
+    async def start_async(
+        self,
+        workflow: Callable[..., Any] | str,
+        *args: Any,
+        run_id: str | None = None,
+        tenant: str = "default",
+        **kwargs: Any,
+    ) -> str:
+        """Record a new queued run (idempotent on ``run_id``) and return its id."""
+        wf = self._resolve_workflow(workflow)
+        store = await self.open()
+        run_input = {"args": list(args), "kwargs": kwargs}
+        input_json = canonical_json(
+            run_input, what=f"the input of {wf.name}", limit=self.max_payload_bytes
+        )
+        ih = sha256_hex(canonical_json({"workflow": wf.name, "input": run_input}))
+        new = NewRun(
+            run_id=run_id or new_run_id(),
+            tenant=tenant,
+            workflow=wf.name,
+            workflow_version=wf.version,
+            input=run_input,
+            input_json=input_json,
+            input_hash=ih,
+        )
+        record, created = await store.create_run(new)
+        if not created and (record.input_hash != ih or record.tenant != tenant):
+            raise IdempotencyConflict(
+                f"run {new.run_id} already exists with another workflow, input or tenant; "
+                "use a new run_id for a new run",
+                run_id=new.run_id,
+            )
+        return record.run_id
+
+    def start(
+        self,
+        workflow: Callable[..., Any] | str,
+        *args: Any,
+        run_id: str | None = None,
+        tenant: str = "default",
+        **kwargs: Any,
+    ) -> str:
+        """Durably start a run for a worker to execute; returns its id. See ``start_async``."""
+        return _sync(self.start_async(workflow, *args, run_id=run_id, tenant=tenant, **kwargs))
+
+    async def run_async(
+        self,
+        workflow: Callable[..., Any] | str,
+        *args: Any,
+        run_id: str | None = None,
+        tenant: str = "default",
+        **kwargs: Any,
+    ) -> Run:
+        """Start (or find) a run and execute it here until it completes, fails or stops."""
+        rid = await self.start_async(workflow, *args, run_id=run_id, tenant=tenant, **kwargs)
+        return await self.execute_async(rid)
+
+    def run(
+        self,
+        workflow: Callable[..., Any] | str,
+        *args: Any,
+        run_id: str | None = None,
+        tenant: str = "default",
+        **kwargs: Any,
+    ) -> Run:
+        """Start a run and execute it in this process; returns it once it completes, fails,
+        pauses or waits. ``app.run(sales_report, "EMEA")``"""
+        return _sync(self.run_async(workflow, *args, run_id=run_id, tenant=tenant, **kwargs))
+
+    async def execute_async(self, run_id: str, *, owner: str | None = None) -> Run:
+        """Execute a runnable run in this process, if no live worker holds it."""
+        store = await self.open()
+        claim = await store.claim_run(
+            run_id, owner or worker_id("inproc"), self.lease_ttl.total_seconds()
+        )
+        if claim is not None:
+            await runtime.drive(self, claim)
+        return await self.get_run_async(run_id)
+
+    async def get_run_async(self, run_id: str) -> Run:
+        store = await self.open()
+        record = await store.get_run(run_id)
+        if record is None:
+            raise RunNotFound(f"no run {run_id!r} in {self.database_url}", run_id=run_id)
+        return Run.from_record(record)
+
+    def get_run(self, run_id: str) -> Run:
+        """The run's current state."""
+        return _sync(self.get_run_async(run_id))
+
+    async def list_runs_async(
+        self, *, status: RunStatus | None = None, workflow: str | None = None, limit: int = 100
+    ) -> list[Run]:
+        store = await self.open()
+        records = await store.list_runs(status=status, workflow=workflow, limit=limit)
+        return [Run.from_record(r) for r in records]
+
+    def list_runs(
+        self, *, status: RunStatus | None = None, workflow: str | None = None, limit: int = 100
+    ) -> list[Run]:
+        """Runs, newest first."""
+        return _sync(self.list_runs_async(status=status, workflow=workflow, limit=limit))
+
+    # -- operator actions ---------------------------------------------------------------
+
+    async def resolve_effect_async(
+        self,
+        run_id: str,
+        step_id: str,
+        outcome: Literal["succeeded", "not_executed", "failed"],
+        *,
+        result: Any = None,
+        by: str = "operator",
+    ) -> Run:
+        """Settle an effect whose outcome is unknown, after checking the external system.
+
+        ``succeeded`` records ``result`` as what the tool returned; ``not_executed`` lets the
+        run execute it again with the same idempotency key; ``failed`` fails the call (the
+        workflow sees :class:`StepFailed`). The run becomes runnable (``queued``).
+        """
+        store = await self.open()
+        journal = await store.load_journal(run_id)
+        if journal is None:
+            raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+        run = journal.run
+        if run.status is not RunStatus.PAUSED:
+            raise InvalidTransition(
+                f"run {run_id} is {run.status}; only a paused run's effects are resolved by hand",
+                run_id=run_id,
+            )
+        ops = [o for o in journal.operations if o.step_id == step_id]
+        settleable = (
+            OperationStatus.UNKNOWN,
+            OperationStatus.RECONCILING,
+            OperationStatus.EXECUTING,
+            OperationStatus.FAILED,
+        )
+        if not ops or ops[0].status not in settleable:
+            found = ops[0].status.value if ops else "no effect"
+            raise InvalidTransition(
+                f"step {step_id} of run {run_id} has {found}; only an unknown (or stuck) effect "
+                "can be resolved",
+                run_id=run_id,
+                step_id=step_id,
+            )
+        op = ops[0]
+        step = next(s for s in journal.steps if s.step_id == step_id)
+        journal_state = runtime._journal_state(run_id, journal.steps, journal.operations)
+        result_json = None
+        error: dict[str, Any] | None = None
+        category = None
+        if outcome == "succeeded":
+            result_json = canonical_json(
+                result, what="the resolved result", limit=self.max_payload_bytes
+            )
+            journal_state.settle(step_id, result_json)
+            journal_state.completed_effects.append(op.idempotency_key)
+            op_status = OperationStatus.SUCCEEDED
+        elif outcome == "not_executed":
+            op_status = OperationStatus.INTENT_RECORDED
+        elif outcome == "failed":
+            op_status = OperationStatus.FAILED
+            category = FailureCategory.BUSINESS_REJECTED.value
+            error = {"type": "ResolvedAsFailed", "message": f"resolved as failed by {by}"}
+        else:
+            raise ConfigurationError(f"unknown outcome {outcome!r}")
+        await store.commit(
+            Expect(run_id, run.state_version),
+            Transition(
+                events=[
+                    EventWrite(
+                        "effect_resolved",
+                        step_id,
+                        {
+                            "outcome": outcome,
+                            "by": by,
+                            "idempotency_key": op.idempotency_key,
+                            "output_hash": sha256_hex(result_json) if result_json else None,
+                        },
+                    )
+                ],
+                step=StepWrite(
+                    step_id,
+                    step.position,
+                    "tool",
+                    step.name,
+                    StepStatus(op_status.value),
+                    step.input_hash,
+                    output_json=result_json,
+                    error=error,
+                    idempotency_key=op.idempotency_key,
+                    attempts=op.attempt,
+                    settle=result_json is not None,
+                ),
+                operation=OperationWrite(
+                    tenant=op.tenant,
+                    idempotency_key=op.idempotency_key,
+                    run_id=run_id,
+                    step_id=step_id,
+                    plan_version=op.plan_version,
+                    tool=op.tool,
+                    tool_version=op.tool_version,
+                    input_hash=op.input_hash,
+                    arguments_json=canonical_json(op.arguments),
+                    status=op_status,
+                    result_json=result_json,
+                    error=error,
+                    failure_category=category,
+                    attempt=op.attempt,
+                    expect_row_version=op.row_version,
+                ),
+                run=RunUpdate(RunStatus.QUEUED),
+                checkpoint=journal_state.draft(status=RunStatus.QUEUED, current_step=step_id),
+            ),
+        )
+        return await self.get_run_async(run_id)
+
+    def resolve_effect(
+        self,
+        run_id: str,
+        step_id: str,
+        outcome: Literal["succeeded", "not_executed", "failed"],
+        *,
+        result: Any = None,
+        by: str = "operator",
+    ) -> Run:
+        """Settle an unknown effect by hand. See ``resolve_effect_async``."""
+        return _sync(self.resolve_effect_async(run_id, step_id, outcome, result=result, by=by))
+
+    async def resume_async(self, run_id: str) -> Run:
+        """Make a paused run runnable again and execute it here."""
+        store = await self.open()
+        record = await store.get_run(run_id)
+        if record is None:
+            raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+        if record.status.is_final:
+            raise InvalidTransition(
+                f"run {run_id} is {record.status} (final); fork a new run to do more",
+                run_id=run_id,
+            )
+        if record.status is RunStatus.PAUSED:
+            await store.commit(
+                Expect(run_id, record.state_version),
+                Transition(
+                    events=[EventWrite("run_resumed", None, {"from": record.status_reason})],
+                    run=RunUpdate(RunStatus.QUEUED),
+                ),
+            )
+        return await self.execute_async(run_id)
+
+    def resume(self, run_id: str) -> Run:
+        """Resume a paused or stalled run in this process."""
+        return _sync(self.resume_async(run_id))
+
+    async def describe_async(self, run_id: str) -> dict[str, Any]:
+        """Everything about a run as plain JSON: the document behind ``runs show --json``."""
+        store = await self.open()
+        journal = await store.load_journal(run_id, checkpoints=1)
+        if journal is None:
+            raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+        run = Run.from_record(journal.run)
+        ops = {o.step_id: o for o in journal.operations}
+        return {
+            "run_id": run.run_id,
+            "workflow": run.workflow,
+            "workflow_version": journal.run.workflow_version,
+            "tenant": run.tenant,
+            "status": run.status.value,
+            "status_reason": run.status_reason,
+            "result": run.result,
+            "error": run.error,
+            "waiting_for": run.waiting_for,
+            "created_at": run.created_at,
+            "updated_at": run.updated_at,
+            "steps": [
+                {
+                    "step_id": s.step_id,
+                    "kind": s.kind,
+                    "name": s.name,
+                    "status": s.status.value,
+                    "attempts": s.attempts,
+                    "output": None if s.output_json is None else _loads(s.output_json),
+                    "error": s.error,
+                }
+                for s in journal.steps
+            ],
+            "effects": [
+                {
+                    "step_id": o.step_id,
+                    "tool": o.tool,
+                    "status": o.status.value,
+                    "idempotency_key": o.idempotency_key,
+                    "input_hash": o.input_hash,
+                    "arguments": o.arguments,
+                    "external_operation_id": o.external_operation_id,
+                    "attempt": o.attempt,
+                    "failure_category": o.failure_category,
+                    "result": None if o.result_json is None else _loads(o.result_json),
+                    "error": o.error,
+                }
+                for o in sorted(ops.values(), key=lambda o: o.created_at)
+            ],
+            "approvals": [],
+            "last_event_sequence": journal.run.last_sequence,
+        }
+
+    def describe(self, run_id: str) -> dict[str, Any]:
+        """A run with its steps and effects, as plain JSON."""
+        return _sync(self.describe_async(run_id))
+
+    def worker(self, *, concurrency: int = 1, lease_ttl: timedelta | None = None) -> Any:
+        """A worker that claims and executes this app's runnable runs."""
+        from durably.worker import Worker
+
+        return Worker(self, concurrency=concurrency, lease_ttl=lease_ttl or self.lease_ttl)
+
+
+def new_run_id() -> str:
+    """Time-ordered, unique run ids: ``run_<ms hex><random hex>``."""
+    return f"run_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
+
+
+def worker_id(kind: str) -> str:
+    return f"{kind}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _sync(coro: Coroutine[Any, Any, R]) -> R:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise DurablyError(
+        "a blocking App method was called inside a running event loop; await its _async "
+        "variant instead (e.g. await app.run_async(...))"
+    )

@@ -1,0 +1,241 @@
+"""Checkpoints: checksummed, versioned snapshots of a run's recoverable boundary.
+
+A run's *journal* (the steps table) holds every recorded result; a checkpoint does not copy
+it. It pins down what the journal must contain at that moment: how many results were settled
+and a chained sha256 digest over them, in the order they were recorded. On resume the latest
+checkpoint whose checksum holds is the anchor; results settled after it must each match the
+``output_hash`` of the event that recorded them. Anything else is a corrupted journal, and the
+run pauses with ``checkpoint_corrupted`` instead of continuing from a wrong state.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from durably.errors import CheckpointCorrupted
+from durably.keys import canonical_json, sha256_hex
+
+CHECKPOINT_SCHEMA_VERSION = 1
+
+CheckpointMigration = Callable[[dict[str, Any]], dict[str, Any]]
+_migrations: dict[int, CheckpointMigration] = {}
+
+
+def register_checkpoint_migration(
+    from_version: int,
+) -> Callable[[CheckpointMigration], CheckpointMigration]:
+    """Register a function that upgrades a checkpoint payload from ``from_version`` to +1."""
+
+    def register(fn: CheckpointMigration) -> CheckpointMigration:
+        _migrations[from_version] = fn
+        return fn
+
+    return register
+
+
+def chain_digest(previous: str, step_id: str, output_hash: str) -> str:
+    return sha256_hex(f"{previous}|{step_id}|{output_hash}")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One recoverable boundary of a run (DESIGN.md §2)."""
+
+    checkpoint_id: str
+    run_id: str
+    state_version: int
+    current_step: str | None
+    status: str
+    state_snapshot: dict[str, Any]
+    last_event_sequence: int
+    pending_action: dict[str, Any] | None
+    completed_effects: list[str]
+    budget_snapshot: dict[str, Any]
+    created_at: float
+    schema_version: int
+    checksum: str
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "run_id": self.run_id,
+            "state_version": self.state_version,
+            "current_step": self.current_step,
+            "status": self.status,
+            "state_snapshot": self.state_snapshot,
+            "last_event_sequence": self.last_event_sequence,
+            "pending_action": self.pending_action,
+            "completed_effects": self.completed_effects,
+            "budget_snapshot": self.budget_snapshot,
+            "created_at": self.created_at,
+            "schema_version": self.schema_version,
+        }
+
+    @property
+    def journal_length(self) -> int:
+        return int(self.state_snapshot.get("journal_length", 0))
+
+    @property
+    def journal_digest(self) -> str:
+        return str(self.state_snapshot.get("journal_digest", ""))
+
+
+def checksum_of(payload: Mapping[str, Any]) -> str:
+    return sha256_hex(canonical_json(dict(payload), what="checkpoint"))
+
+
+def from_stored(payload: dict[str, Any], checksum: str) -> Checkpoint:
+    """Verify a stored checkpoint, then migrate it to the current schema version.
+
+    Raises :class:`CheckpointCorrupted` if the checksum does not match what is stored.
+    """
+    if checksum_of(payload) != checksum:
+        raise CheckpointCorrupted(
+            f"checkpoint {payload.get('checkpoint_id')} failed its checksum",
+            run_id=payload.get("run_id"),
+        )
+    version = int(payload["schema_version"])
+    while version < CHECKPOINT_SCHEMA_VERSION:
+        upgrade = _migrations.get(version)
+        if upgrade is None:
+            raise CheckpointCorrupted(
+                f"checkpoint schema_version {version} has no registered migration to "
+                f"{version + 1}; register one with durably.register_checkpoint_migration",
+                run_id=payload.get("run_id"),
+            )
+        payload = upgrade(dict(payload))
+        version += 1
+        payload["schema_version"] = version
+    fields = dict(payload)
+    fields["checksum"] = checksum
+    return Checkpoint(**fields)
+
+
+@dataclass
+class JournalState:
+    """What the runtime knows about a run's journal; drafts the next checkpoint from it."""
+
+    run_id: str
+    length: int = 0
+    digest: str = ""
+    completed_effects: list[str] = field(default_factory=list)
+    budget: dict[str, Any] = field(default_factory=dict)
+
+    def settle(self, step_id: str, output_json: str) -> None:
+        self.length += 1
+        self.digest = chain_digest(self.digest, step_id, sha256_hex(output_json))
+
+    def draft(
+        self,
+        *,
+        status: str,
+        current_step: str | None,
+        pending_action: dict[str, Any] | None = None,
+    ) -> CheckpointDraft:
+        return CheckpointDraft(
+            run_id=self.run_id,
+            current_step=current_step,
+            status=status,
+            state_snapshot={"journal_length": self.length, "journal_digest": self.digest},
+            pending_action=pending_action,
+            completed_effects=list(self.completed_effects),
+            budget_snapshot=dict(self.budget),
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointDraft:
+    """A checkpoint before the store assigns its sequence and state version."""
+
+    run_id: str
+    current_step: str | None
+    status: str
+    state_snapshot: dict[str, Any]
+    pending_action: dict[str, Any] | None
+    completed_effects: list[str]
+    budget_snapshot: dict[str, Any]
+
+    def seal(self, *, state_version: int, last_event_sequence: int) -> Checkpoint:
+        """Complete the checkpoint inside the store's transaction and compute its checksum."""
+        unsealed = Checkpoint(
+            checkpoint_id=uuid.uuid4().hex,
+            run_id=self.run_id,
+            state_version=state_version,
+            current_step=self.current_step,
+            status=self.status,
+            state_snapshot=self.state_snapshot,
+            last_event_sequence=last_event_sequence,
+            pending_action=self.pending_action,
+            completed_effects=self.completed_effects,
+            budget_snapshot=self.budget_snapshot,
+            created_at=time.time(),
+            schema_version=CHECKPOINT_SCHEMA_VERSION,
+            checksum="",
+        )
+        return replace(unsealed, checksum=checksum_of(unsealed.payload()))
+
+
+@dataclass(frozen=True)
+class SettledResult:
+    """A journal entry as stored: the order it was recorded in and the hash of its output."""
+
+    step_id: str
+    settled_sequence: int
+    output_hash: str
+
+
+@dataclass(frozen=True)
+class Verification:
+    anchor: Checkpoint | None
+    corrupted_checkpoints: list[str]
+
+
+def verify_journal(
+    results: Iterable[SettledResult],
+    stored_checkpoints: Sequence[tuple[dict[str, Any], str]],
+    recorded_hashes_after: Callable[[int], Mapping[str, str]],
+) -> Verification:
+    """Check the journal against the newest checkpoint that passes its checksum.
+
+    ``stored_checkpoints`` are (payload, checksum) pairs, newest first.
+    ``recorded_hashes_after(seq)`` returns ``{step_id: output_hash}`` from the events after
+    ``seq``; it is only called when results were settled after the anchor.
+    Raises :class:`CheckpointCorrupted` when the journal cannot be verified.
+    """
+    corrupted: list[str] = []
+    anchor: Checkpoint | None = None
+    for payload, checksum in stored_checkpoints:
+        try:
+            anchor = from_stored(payload, checksum)
+            break
+        except CheckpointCorrupted:
+            corrupted.append(str(payload.get("checkpoint_id")))
+    ordered = sorted(results, key=lambda r: r.settled_sequence)
+    anchor_seq = anchor.last_event_sequence if anchor else 0
+    before = [r for r in ordered if r.settled_sequence <= anchor_seq]
+    after = [r for r in ordered if r.settled_sequence > anchor_seq]
+    run_id = anchor.run_id if anchor else None
+    if anchor is not None:
+        digest = ""
+        for r in before:
+            digest = chain_digest(digest, r.step_id, r.output_hash)
+        if len(before) != anchor.journal_length or digest != anchor.journal_digest:
+            raise CheckpointCorrupted(
+                f"the recorded results of run {anchor.run_id} do not match checkpoint "
+                f"{anchor.checkpoint_id}; the journal was altered. Inspect the run's events "
+                "before resolving it by hand",
+                run_id=anchor.run_id,
+            )
+    if after:
+        recorded = recorded_hashes_after(anchor_seq)
+        bad = [r.step_id for r in after if recorded.get(r.step_id) != r.output_hash]
+        if bad:
+            raise CheckpointCorrupted(
+                f"recorded results {bad} do not match the event log; the journal was altered",
+                run_id=run_id,
+            )
+    return Verification(anchor=anchor, corrupted_checkpoints=corrupted)

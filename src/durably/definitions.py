@@ -1,0 +1,120 @@
+"""What the decorators register: workflows, steps, tools and their policies."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from durably.errors import ConfigurationError
+from durably.reconcile import Operation, Reconciliation
+from durably.status import FailureCategory
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how fast a failed call is retried — only where retrying is safe.
+
+    ``max_attempts`` counts executions, the first included. Delays grow from
+    ``initial_interval`` by ``backoff`` up to ``max_interval``.
+    """
+
+    max_attempts: int = 3
+    initial_interval: timedelta = timedelta(milliseconds=100)
+    backoff: float = 2.0
+    max_interval: timedelta = timedelta(seconds=30)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigurationError("RetryPolicy.max_attempts must be at least 1")
+        if self.backoff < 1:
+            raise ConfigurationError("RetryPolicy.backoff must be at least 1.0")
+
+    def delay_s(self, attempt: int) -> float:
+        """Delay before execution number ``attempt + 1``."""
+        grown = self.initial_interval.total_seconds() * self.backoff ** max(attempt - 1, 0)
+        return min(grown, self.max_interval.total_seconds())
+
+
+@dataclass(frozen=True)
+class WorkflowDef:
+    name: str
+    fn: Callable[..., Any]
+    version: str
+
+
+@dataclass(frozen=True)
+class StepDef:
+    name: str
+    fn: Callable[..., Any]
+    version: str
+    retry: RetryPolicy
+    signature: inspect.Signature
+
+
+Classifier = Callable[[BaseException], FailureCategory | None]
+Reconciler = Callable[[Operation], Reconciliation | Any]
+
+
+@dataclass(frozen=True)
+class ToolDef:
+    name: str
+    fn: Callable[..., Any]
+    version: str
+    retry: RetryPolicy
+    signature: inspect.Signature
+    idempotent: bool = False
+    reconcile: Reconciler | None = None
+    external_id: Callable[[Any], Any] | None = None
+    compensate: Callable[[Operation], Any] | None = None
+    classify: Classifier | None = None
+    redact: Sequence[str] = field(default_factory=tuple)
+    operation_group: str | None = None
+    timeout: timedelta | None = None
+
+    @property
+    def can_reconcile(self) -> bool:
+        """Whether an unknown outcome can be settled without a person."""
+        return self.reconcile is not None or self.idempotent
+
+
+def check_name(kind: str, name: str, taken: dict[str, Any]) -> None:
+    if not name or "#" in name or "|" in name:
+        raise ConfigurationError(f"{kind} name {name!r} is empty or contains '#' or '|'")
+    if name in taken:
+        raise ConfigurationError(f"{kind} {name!r} is registered twice; give one of them name=...")
+
+
+def bind_arguments(
+    signature: inspect.Signature, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The call's arguments by parameter name, defaults applied: what the input hash covers."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{name}(): {exc}") from None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    for param in signature.parameters.values():
+        if param.kind is inspect.Parameter.VAR_KEYWORD and param.name in arguments:
+            arguments.update(arguments.pop(param.name))
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL and param.name in arguments:
+            arguments[param.name] = list(arguments[param.name])
+    return arguments
+
+
+async def invoke(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a user function: coroutines on the loop, plain functions on a worker thread.
+
+    A thread keeps a blocking tool (an HTTP client, a driver) from stalling the worker's
+    other runs and its lease heartbeat; contextvars (the idempotency key) follow it.
+    """
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    result = await asyncio.to_thread(fn, *args, **kwargs)
+    if inspect.isawaitable(result):
+        return await result
+    return result

@@ -1,0 +1,634 @@
+"""The tool operation protocol (DESIGN.md §4): prepare → claim → execute → record → reconcile.
+
+Commits per effect, on the happy path:
+
+* a tool that can be reconciled or is idempotent: **two** — intent and claim together
+  (before the call), then the outcome. A crash right after the first commit leaves
+  ``executing``, which recovery settles by asking the service or re-sending the same key.
+* a tool with neither: **three** — intent, claim, outcome. Its claim is separate so that a
+  crash before the call leaves ``intent_recorded``, which is safe to execute, instead of an
+  ``unknown`` that would need a person although the call never left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import time
+from dataclasses import asdict, replace
+from typing import Any
+
+from durably import context, faults
+from durably.definitions import ToolDef, bind_arguments, invoke
+from durably.errors import (
+    IdempotencyConflict,
+    NotJSONSerializable,
+    OutcomeUnknown,
+    PayloadTooLarge,
+    StepFailed,
+    ToolError,
+)
+from durably.keys import canonical_json, idempotency_key, input_hash, sha256_hex
+from durably.ledger import Action, OperationView, decide
+from durably.reconcile import Operation, Reconciliation
+from durably.runtime import RunContext, Suspend, error_dict
+from durably.status import FailureCategory, OperationStatus, PauseReason, RunStatus, StepStatus
+from durably.store.base import (
+    EventWrite,
+    OperationRecord,
+    OperationWrite,
+    RunUpdate,
+    StepWrite,
+    Transition,
+)
+
+log = logging.getLogger("durably")
+
+RECONCILE_POLLS = 5
+
+
+def classify(tool: ToolDef, exc: BaseException) -> FailureCategory:
+    """The failure category of an exception raised by a tool.
+
+    Defaults: ``ToolError`` states its own; a timeout, ``OutcomeUnknown`` or a connection
+    cut after sending is ``UNKNOWN_OUTCOME``; a refused connection or a failed DNS lookup
+    (nothing left the machine) is ``TRANSIENT_BEFORE_SEND``. Anything else we cannot
+    classify means we do not know whether the effect happened: ``UNKNOWN_OUTCOME``, so it
+    is reconciled rather than guessed. ``@app.tool(classify=fn)`` is asked first.
+    """
+    if isinstance(exc, ToolError):
+        return exc.category
+    if tool.classify is not None:
+        category = tool.classify(exc)
+        if category is not None:
+            return category
+    if isinstance(exc, ConnectionRefusedError | socket.gaierror):
+        return FailureCategory.TRANSIENT_BEFORE_SEND
+    if isinstance(exc, TimeoutError | OutcomeUnknown | ConnectionError):
+        return FailureCategory.UNKNOWN_OUTCOME
+    return FailureCategory.UNKNOWN_OUTCOME
+
+
+def redact(tool: ToolDef, key: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """Arguments as stored: the ones named in ``redact=`` replaced by a keyed hash."""
+    if not tool.redact:
+        return arguments
+    stored = dict(arguments)
+    for name in tool.redact:
+        if name in stored:
+            text = canonical_json(stored[name], what=f"argument {name!r}")
+            digest = hmac.new(key.encode(), text.encode(), "sha256").hexdigest()
+            stored[name] = {"redacted": digest}
+    return stored
+
+
+class Effect:
+    """One tool call inside a run, driven through the ledger until it settles."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        tool: ToolDef,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        explicit_step_id: str | None,
+    ) -> None:
+        self.ctx = ctx
+        self.tool = tool
+        self.args = args
+        self.kwargs = kwargs
+        self.step_id, self.position = ctx.allocate(tool.name, explicit_step_id)
+        self.arguments = bind_arguments(tool.signature, tool.name, args, kwargs)
+        self.input_hash = input_hash(tool.name, tool.version, self.arguments)
+        run = ctx.run
+        self.key = idempotency_key(
+            run.tenant,
+            run.run_id,
+            run.plan_version,
+            self.step_id,
+            tool.operation_group or tool.name,
+        )
+        ctx.replayed(ctx.steps.get(self.step_id), "tool", tool.name, self.input_hash)
+        self.op: OperationRecord | None = ctx.operations.get(self.key)
+        self.reconciling = False
+
+    # -- the loop -----------------------------------------------------------------------
+
+    async def settle(self) -> Any:
+        metrics = self.ctx.app.metrics
+        while True:
+            op = self.op
+            action = decide(
+                None if op is None else _view(op),
+                input_hash=self.input_hash,
+                owner=self.ctx.lease.owner,
+                epoch=self.ctx.lease.epoch,
+                now=time.time(),
+                max_attempts=self.tool.retry.max_attempts,
+                can_reconcile=self.tool.can_reconcile,
+            )
+            if action is Action.PREPARE:
+                await self._prepare()
+            elif action is Action.CONFLICT:
+                metrics.idempotency_conflict.labels(tool=self.tool.name).inc()
+                raise IdempotencyConflict(
+                    f"tool {self.tool.name} at {self.step_id} was recorded with other "
+                    "arguments under the same idempotency key; the recorded result is not "
+                    "reused. Keep the call's arguments deterministic, or replan "
+                    "(durably.replan()) to make it a new business operation",
+                    run_id=self.ctx.run.run_id,
+                    step_id=self.step_id,
+                    idempotency_key=self.key,
+                )
+            elif action is Action.RETURN:
+                metrics.idempotency_hit.labels(tool=self.tool.name).inc()
+                return self._recorded_result()
+            elif action is Action.CLAIM:
+                await self._claim("effect_executing")
+            elif action is Action.EXECUTE:
+                await self._execute()
+            elif action is Action.WAIT:
+                assert op is not None
+                assert op.lease_until is not None
+                await asyncio.sleep(max(op.lease_until - time.time(), 0.05))
+                await self._refresh()
+            elif action is Action.RECONCILE:
+                await self._reconcile()
+            elif action is Action.RETRY:
+                assert op is not None
+                delay = self.tool.retry.delay_s(op.attempt)
+                delay = max(delay, float((op.error or {}).get("retry_after_s", 0)))
+                await asyncio.sleep(delay)
+                await self._claim("effect_retrying")
+            elif action is Action.RAISE:
+                assert op is not None
+                raise self._failed(op)
+            else:
+                await self._pause()
+
+    # -- transitions --------------------------------------------------------------------
+
+    def _write(self, status: OperationStatus, **changes: Any) -> OperationWrite:
+        op = self.op
+        base = OperationWrite(
+            tenant=self.ctx.run.tenant,
+            idempotency_key=self.key,
+            run_id=self.ctx.run.run_id,
+            step_id=self.step_id,
+            plan_version=self.ctx.run.plan_version,
+            tool=self.tool.name,
+            tool_version=self.tool.version,
+            input_hash=self.input_hash,
+            arguments_json=canonical_json(
+                redact(self.tool, self.key, self.arguments),
+                what=f"the arguments of {self.tool.name}",
+                limit=self.ctx.app.max_payload_bytes,
+            ),
+            status=status,
+            result_json=None,
+            error=None,
+            failure_category=None if op is None else op.failure_category,
+            attempt=0 if op is None else op.attempt,
+            expect_row_version=None if op is None else op.row_version,
+        )
+        return replace(base, **changes)
+
+    def _step(self, status: StepStatus, **changes: Any) -> StepWrite:
+        attempt = 0 if self.op is None else self.op.attempt
+        return replace(
+            StepWrite(
+                self.step_id,
+                self.position,
+                "tool",
+                self.tool.name,
+                status,
+                self.input_hash,
+                idempotency_key=self.key,
+                attempts=attempt,
+            ),
+            **changes,
+        )
+
+    async def _apply(
+        self,
+        write: OperationWrite,
+        step: StepWrite,
+        events: list[EventWrite],
+        *,
+        run: RunUpdate | None = None,
+        checkpoint: bool = True,
+        pending: bool = False,
+        release: bool = False,
+    ) -> None:
+        ctx = self.ctx
+        ctx.journal.budget = ctx.budget()
+        draft = (
+            ctx.journal.draft(
+                status=(run.status if run else RunStatus.RUNNING).value,
+                current_step=self.step_id,
+                pending_action={
+                    "tool": self.tool.name,
+                    "step_id": self.step_id,
+                    "idempotency_key": self.key,
+                }
+                if pending
+                else None,
+            )
+            if checkpoint
+            else None
+        )
+        committed = await ctx.commit(
+            Transition(
+                events=events,
+                step=step,
+                operation=write,
+                run=run,
+                checkpoint=draft,
+                release=release,
+            )
+        )
+        now = time.time()
+        previous = self.op
+        held = write.hold_lease
+        self.op = OperationRecord(
+            tenant=write.tenant,
+            idempotency_key=write.idempotency_key,
+            run_id=write.run_id,
+            step_id=write.step_id,
+            plan_version=write.plan_version,
+            tool=write.tool,
+            tool_version=write.tool_version,
+            input_hash=write.input_hash,
+            arguments=json.loads(write.arguments_json),
+            status=write.status,
+            result_json=write.result_json,
+            error=write.error,
+            failure_category=write.failure_category,
+            external_operation_id=write.external_operation_id
+            or (previous.external_operation_id if previous else None),
+            attempt=write.attempt,
+            lease_owner=ctx.lease.owner if held else None,
+            lease_until=committed.lease_until if held else None,
+            lease_epoch=ctx.lease.epoch if held else None,
+            row_version=committed.operation_row_version or 0,
+            created_at=previous.created_at if previous else now,
+            updated_at=now,
+        )
+        ctx.operations[self.key] = self.op
+
+    def _event(self, type_: str, **payload: Any) -> EventWrite:
+        return EventWrite(
+            type_, self.step_id, {"tool": self.tool.name, "idempotency_key": self.key, **payload}
+        )
+
+    async def _prepare(self) -> None:
+        faults.crash_point("effect.before_intent")
+        together = self.tool.can_reconcile
+        status = OperationStatus.EXECUTING if together else OperationStatus.INTENT_RECORDED
+        attempt = 1 if together else 0
+        await self._apply(
+            self._write(status, attempt=attempt, hold_lease=together),
+            self._step(StepStatus(status.value), attempts=attempt),
+            [self._event("effect_intent_recorded", input_hash=self.input_hash)],
+            pending=True,
+        )
+        faults.crash_point("effect.after_intent")
+
+    async def _claim(self, event: str, **payload: Any) -> None:
+        assert self.op is not None
+        attempt = self.op.attempt + 1
+        await self._apply(
+            self._write(OperationStatus.EXECUTING, attempt=attempt, hold_lease=True),
+            self._step(StepStatus.EXECUTING, attempts=attempt),
+            [self._event(event, attempt=attempt, **payload)],
+            run=self._back_to_running(),
+            checkpoint=False,
+        )
+
+    async def _execute(self) -> None:
+        token = context._key.set(self.key)
+        try:
+            call = invoke(self.tool.fn, *self.args, **self.kwargs)
+            if self.tool.timeout is not None:
+                result = await asyncio.wait_for(call, self.tool.timeout.total_seconds())
+            else:
+                result = await call
+        except Exception as exc:
+            faults.crash_point("effect.after_call")
+            await self._record_failure(exc)
+            return
+        finally:
+            context._key.reset(token)
+        returned_at = time.monotonic()
+        faults.crash_point("effect.after_call")
+        await self._record_success(result)
+        self.ctx.app.metrics.checkpoint_lag.observe(time.monotonic() - returned_at)
+        faults.crash_point("effect.after_record")
+
+    async def _record_success(
+        self, result: Any, *, event: str = "effect_succeeded", **payload: Any
+    ) -> None:
+        error = None
+        try:
+            result_json: str | None = canonical_json(
+                result,
+                what=f"the result of tool {self.tool.name} at {self.step_id}",
+                limit=self.ctx.app.max_payload_bytes,
+            )
+        except (NotJSONSerializable, PayloadTooLarge) as exc:
+            # The effect happened: record that, so it is never repeated, and keep the error
+            # to raise at the call site now and on every replay.
+            result_json, error = None, error_dict(exc)
+        external_id = None
+        if self.tool.external_id is not None and result_json is not None:
+            try:
+                external_id = str(self.tool.external_id(result))
+            except Exception as exc:
+                log.warning("external_id of %s failed: %r", self.tool.name, exc)
+        if result_json is not None:
+            self.ctx.journal.settle(self.step_id, result_json)
+            self.ctx.journal.completed_effects.append(self.key)
+        await self._apply(
+            self._write(
+                OperationStatus.SUCCEEDED,
+                result_json=result_json,
+                error=error,
+                external_operation_id=external_id,
+                failure_category=None,
+            ),
+            self._step(
+                StepStatus.SUCCEEDED,
+                output_json=result_json,
+                error=error,
+                settle=result_json is not None,
+            ),
+            [
+                self._event(
+                    event,
+                    output_hash=sha256_hex(result_json) if result_json else None,
+                    external_operation_id=external_id,
+                    **payload,
+                )
+            ],
+            run=self._back_to_running(),
+        )
+
+    async def _record_failure(self, exc: BaseException) -> None:
+        category = classify(self.tool, exc)
+        error = error_dict(exc)
+        if isinstance(exc, ToolError) and exc.retry_after is not None:
+            error["retry_after_s"] = exc.retry_after.total_seconds()
+        if category is FailureCategory.UNKNOWN_OUTCOME:
+            self.ctx.app.metrics.unknown.labels(tool=self.tool.name).inc()
+            status = OperationStatus.UNKNOWN
+        else:
+            status = OperationStatus.FAILED
+        log.info("tool %s at %s: %s (%s)", self.tool.name, self.step_id, category.value, exc)
+        await self._apply(
+            self._write(status, error=error, failure_category=category.value),
+            self._step(StepStatus(status.value), error=error),
+            [self._event(f"effect_{status.value}", category=category.value, **error)],
+        )
+
+    async def _reconcile(self) -> None:
+        op = self.op
+        assert op is not None
+        metrics = self.ctx.app.metrics
+        if op.status is not OperationStatus.RECONCILING:
+            await self._apply(
+                self._write(OperationStatus.RECONCILING, error=op.error),
+                self._step(StepStatus.RECONCILING),
+                [self._event("effect_reconciling", previous=op.status.value)],
+                run=RunUpdate(RunStatus.RECONCILING),
+                checkpoint=False,
+            )
+            self.reconciling = True
+        if self.tool.reconcile is None:
+            # Idempotent tool: the service deduplicates by our key, so re-sending is safe.
+            if op.attempt < self.tool.retry.max_attempts:
+                await self._claim("effect_resent")
+            else:
+                await self._pause()
+            return
+        answer = await self._ask()
+        metrics.reconciliation.labels(result=answer.answer).inc()
+        if answer.answer == "succeeded":
+            if answer.duplicates:
+                metrics.duplicate_side_effect.labels(tool=self.tool.name).inc(answer.duplicates)
+            await self._record_success(
+                answer.result,
+                event="effect_reconciled",
+                answer="succeeded",
+                duplicates=answer.duplicates,
+            )
+        elif answer.answer == "not_executed":
+            await self._claim("effect_reconciled", answer="not_executed")
+        elif answer.answer == "failed":
+            category = answer.category or FailureCategory.PERMANENT_INPUT
+            error = {"type": "Reconciled", "message": answer.detail, "confirmed_not_executed": True}
+            await self._apply(
+                self._write(OperationStatus.FAILED, error=error, failure_category=category.value),
+                self._step(StepStatus.FAILED, error=error),
+                [self._event("effect_reconciled", answer="failed", category=category.value)],
+                run=self._back_to_running(),
+            )
+        else:
+            await self._pause(answer.detail)
+
+    async def _ask(self) -> Reconciliation:
+        assert self.op is not None
+        assert self.tool.reconcile is not None
+        operation = self._operation()
+        token = context._key.set(self.key)
+        try:
+            for poll in range(RECONCILE_POLLS):
+                try:
+                    answer = await invoke(self.tool.reconcile, operation)
+                except Exception as exc:
+                    return Reconciliation.unresolved(f"reconcile raised {exc!r}")
+                if not isinstance(answer, Reconciliation):
+                    return Reconciliation.unresolved(
+                        f"reconcile returned {answer!r}, not a durably.Reconciliation"
+                    )
+                if answer.answer != "running":
+                    return answer
+                await asyncio.sleep(self.tool.retry.delay_s(poll + 1))
+            return Reconciliation.unresolved("still running after repeated reconciliation")
+        finally:
+            context._key.reset(token)
+
+    def _operation(self, result: Any = None) -> Operation:
+        op = self.op
+        assert op is not None
+        return Operation(
+            run_id=op.run_id,
+            step_id=op.step_id,
+            tool=op.tool,
+            arguments=self.arguments,
+            idempotency_key=op.idempotency_key,
+            external_operation_id=op.external_operation_id,
+            attempt=op.attempt,
+            result=result,
+        )
+
+    async def _pause(self, detail: str = "") -> None:
+        op = self.op
+        assert op is not None
+        permission = op.failure_category == FailureCategory.PERMISSION
+        reason = PauseReason.PERMISSION if permission else PauseReason.EFFECT_STATE_UNKNOWN
+        status = op.status if permission else OperationStatus.UNKNOWN
+        waiting = {"step_id": self.step_id, "tool": self.tool.name, "idempotency_key": self.key}
+        error = {
+            "type": "EffectPaused",
+            "message": detail
+            or (
+                "permission denied; re-authorise, then resolve or resume"
+                if permission
+                else f"the outcome of {self.tool.name} at {self.step_id} is unknown and cannot be "
+                "settled automatically; check the external system, then run "
+                f"`durably resolve {self.ctx.run.run_id} {self.step_id} --succeeded|--not-executed"
+                "|--failed`"
+            ),
+        }
+        await self._apply(
+            self._write(status, error=op.error or error),
+            self._step(StepStatus(status.value), error=op.error or error),
+            [self._event("run_paused", reason=reason.value)],
+            run=RunUpdate(
+                RunStatus.PAUSED, status_reason=reason.value, error=error, waiting_for=waiting
+            ),
+            release=True,
+        )
+        self.ctx.stopped = True
+        raise Suspend
+
+    def _back_to_running(self) -> RunUpdate | None:
+        if not self.reconciling:
+            return None
+        self.reconciling = False
+        return RunUpdate(RunStatus.RUNNING)
+
+    async def _refresh(self) -> None:
+        journal = await self.ctx.store.load_journal(self.ctx.run.run_id, checkpoints=0)
+        if journal is not None:
+            for op in journal.operations:
+                if op.idempotency_key == self.key:
+                    self.op = op
+
+    # -- results ------------------------------------------------------------------------
+
+    def _recorded_result(self) -> Any:
+        op = self.op
+        assert op is not None
+        if op.result_json is None and op.error:
+            raise NotJSONSerializable(
+                f"tool {self.tool.name} at {self.step_id} took effect but returned a value "
+                f"that could not be stored ({op.error.get('message')}); return plain JSON",
+                run_id=self.ctx.run.run_id,
+                step_id=self.step_id,
+                idempotency_key=self.key,
+            )
+        return json.loads(op.result_json or "null")
+
+    def _failed(self, op: OperationRecord) -> StepFailed:
+        error = op.error or {}
+        category = FailureCategory(op.failure_category) if op.failure_category else None
+        return StepFailed(
+            f"tool {self.tool.name} at {self.step_id} failed "
+            f"({op.failure_category}): {error.get('type')}: {error.get('message')}",
+            run_id=self.ctx.run.run_id,
+            step_id=self.step_id,
+            idempotency_key=self.key,
+            category=category,
+            error_type=str(error.get("type", "")),
+            error_message=str(error.get("message", "")),
+        )
+
+
+def _view(op: OperationRecord) -> OperationView:
+    return OperationView(
+        status=op.status,
+        input_hash=op.input_hash,
+        attempt=op.attempt,
+        failure_category=FailureCategory(op.failure_category) if op.failure_category else None,
+        confirmed_not_executed=bool((op.error or {}).get("confirmed_not_executed")),
+        lease_owner=op.lease_owner,
+        lease_epoch=op.lease_epoch,
+        lease_until=op.lease_until,
+    )
+
+
+async def call_tool(
+    ctx: RunContext,
+    tool: ToolDef,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    explicit_step_id: str | None,
+) -> Any:
+    return await Effect(ctx, tool, args, kwargs, explicit_step_id).settle()
+
+
+async def compensate(ctx: RunContext, step_ids: tuple[str, ...]) -> list[str]:
+    """Run the registered compensations of succeeded effects, newest first; once each."""
+    done_states = (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED)
+    candidates = sorted(
+        (o for o in ctx.operations.values() if o.status in done_states),
+        key=lambda o: o.created_at,
+        reverse=True,
+    )
+    done = []
+    for op in candidates:
+        if step_ids and op.step_id not in step_ids:
+            continue
+        tool = ctx.app.tool_def(op.tool)
+        if tool.compensate is None:
+            continue
+        undo = ctx.app.compensation_def(tool)
+        operation = Operation(
+            run_id=op.run_id,
+            step_id=op.step_id,
+            tool=op.tool,
+            arguments=op.arguments,
+            idempotency_key=op.idempotency_key,
+            external_operation_id=op.external_operation_id,
+            attempt=op.attempt,
+            result=json.loads(op.result_json or "null"),
+        )
+        await Effect(ctx, undo, (asdict(operation),), {}, f"compensate:{op.step_id}").settle()
+        current = ctx.operations[op.idempotency_key]
+        if current.status is OperationStatus.SUCCEEDED:
+            await ctx.commit(
+                Transition(
+                    events=[
+                        EventWrite(
+                            "effect_compensated",
+                            op.step_id,
+                            {"tool": op.tool, "idempotency_key": op.idempotency_key},
+                        )
+                    ],
+                    operation=OperationWrite(
+                        tenant=current.tenant,
+                        idempotency_key=current.idempotency_key,
+                        run_id=current.run_id,
+                        step_id=current.step_id,
+                        plan_version=current.plan_version,
+                        tool=current.tool,
+                        tool_version=current.tool_version,
+                        input_hash=current.input_hash,
+                        arguments_json=canonical_json(current.arguments),
+                        status=OperationStatus.COMPENSATED,
+                        result_json=current.result_json,
+                        external_operation_id=current.external_operation_id,
+                        attempt=current.attempt,
+                        expect_row_version=current.row_version,
+                    ),
+                )
+            )
+            ctx.operations[op.idempotency_key] = replace(
+                current, status=OperationStatus.COMPENSATED, row_version=current.row_version + 1
+            )
+        done.append(op.step_id)
+    return done

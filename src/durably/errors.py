@@ -1,0 +1,140 @@
+"""Every error durably raises, in one tree.
+
+::
+
+    DurablyError
+    ├── ConfigurationError          bad decorator options, unknown workflow, bad database URL
+    ├── NotJSONSerializable         a value that must be stored is not plain JSON
+    ├── PayloadTooLarge             a stored value is over the size limit
+    ├── OutsideRunError             a step or tool called outside a workflow run
+    ├── RunNotFound
+    ├── InvalidTransition           the run or effect is not in a state that allows the request
+    ├── IdempotencyConflict         same key (or run id), different input
+    ├── NonDeterminismError         replayed workflow code called something else at a position
+    ├── LeaseLostError              another worker owns the run now; this one must stop
+    ├── CheckpointCorrupted         checksum mismatch and no verified fallback
+    ├── SchemaTooNew                the database was migrated by newer code
+    ├── StepFailed                  a step or tool failed for good; raised inside the workflow
+    ├── ToolError                   raised BY a tool to state the failure category
+    └── OutcomeUnknown              raised BY a tool: the request may have taken effect
+
+Each error carries the ids it is about as attributes (``run_id``, ``step_id``,
+``idempotency_key``) and its message says what to do next.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from durably.status import FailureCategory
+
+
+class DurablyError(Exception):
+    """Base class of every error raised by durably."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        run_id: str | None = None,
+        step_id: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.step_id = step_id
+        self.idempotency_key = idempotency_key
+
+
+class ConfigurationError(DurablyError):
+    """The app, a decorator or a URL is configured wrongly."""
+
+
+class NotJSONSerializable(DurablyError):
+    """A value that durably must persist is not plain JSON (dict, list, str, number, bool, None)."""
+
+
+class PayloadTooLarge(DurablyError):
+    """A value that durably must persist exceeds the configured size limit."""
+
+
+class OutsideRunError(DurablyError):
+    """A step, tool or in-workflow function was used outside a workflow run."""
+
+
+class RunNotFound(DurablyError):
+    """No run has this id."""
+
+
+class InvalidTransition(DurablyError):
+    """The run or effect is not in a state that allows what was asked."""
+
+
+class IdempotencyConflict(DurablyError):
+    """The same idempotency key (or run id) was used with a different input."""
+
+
+class NonDeterminismError(DurablyError):
+    """Replayed workflow code made a different call at a recorded position."""
+
+
+class LeaseLostError(DurablyError):
+    """This worker's lease on the run expired and another worker took it over."""
+
+
+class CheckpointCorrupted(DurablyError):
+    """A checkpoint failed its checksum and the journal could not be verified otherwise."""
+
+
+class SchemaTooNew(DurablyError):
+    """The database schema was written by a newer durably than this one."""
+
+
+class StepFailed(DurablyError):
+    """A step or tool failed for good. Raised inside the workflow, which may handle it.
+
+    ``category`` is the tool's failure category (``None`` for a plain step); ``error_type``
+    and ``error_message`` describe the original exception, which is not persisted itself.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        run_id: str | None = None,
+        step_id: str | None = None,
+        idempotency_key: str | None = None,
+        category: FailureCategory | None = None,
+        error_type: str = "",
+        error_message: str = "",
+    ) -> None:
+        super().__init__(message, run_id=run_id, step_id=step_id, idempotency_key=idempotency_key)
+        self.category = category
+        self.error_type = error_type
+        self.error_message = error_message
+
+
+class ToolError(DurablyError):
+    """Raise from a tool to say how it failed, so durably knows whether a retry is safe.
+
+    Example::
+
+        raise durably.ToolError("card declined", category=FailureCategory.BUSINESS_REJECTED)
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        category: FailureCategory,
+        retry_after: timedelta | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.category = category
+        self.retry_after = retry_after
+
+
+class OutcomeUnknown(DurablyError):
+    """Raise from a tool when the request may have reached the service but no answer came."""

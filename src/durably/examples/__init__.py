@@ -1,0 +1,1 @@
+"""Runnable example agents and the small external service their tools call."""

@@ -1,0 +1,58 @@
+"""Canonical JSON, input hashes and idempotency keys: the identities the ledger is built on."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from durably.errors import NotJSONSerializable, PayloadTooLarge
+
+DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+
+
+def canonical_json(value: Any, *, what: str = "value", limit: int | None = None) -> str:
+    """Serialise ``value`` to canonical JSON (sorted keys, compact) or raise a typed error.
+
+    A value must come back *equal* after a round trip: tuples, non-string keys and the
+    like would replay as something else than the original call saw, so they are refused.
+    """
+    try:
+        text = json.dumps(
+            value, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False
+        )
+    except (TypeError, ValueError) as exc:
+        raise NotJSONSerializable(
+            f"{what} is not plain JSON ({exc}); return or pass dicts, lists, str, int, float, "
+            "bool or None (convert dataclasses with dataclasses.asdict, datetimes with "
+            ".isoformat())"
+        ) from exc
+    if json.loads(text) != value:
+        raise NotJSONSerializable(
+            f"{what} does not survive a JSON round trip unchanged (tuples, sets or non-string "
+            "dict keys?); use lists and string keys"
+        )
+    if limit is not None and len(text) > limit:
+        raise PayloadTooLarge(
+            f"{what} is {len(text)} bytes of JSON, over the limit of {limit}; store large "
+            "data elsewhere and pass a reference (or raise App(max_payload_bytes=...))"
+        )
+    return text
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def input_hash(name: str, version: str, arguments: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of a call's name, version and arguments."""
+    return sha256_hex(
+        canonical_json({"name": name, "version": version, "arguments": arguments}, what="input")
+    )
+
+
+def idempotency_key(
+    tenant: str, run_id: str, plan_version: int, step_id: str, operation_group: str
+) -> str:
+    """``sha256(tenant|run_id|plan_version|step_id|operation_group)`` — stable across retries."""
+    return sha256_hex("|".join((tenant, run_id, str(plan_version), step_id, operation_group)))

@@ -1,0 +1,58 @@
+"""Prometheus metrics with the names fixed by DESIGN.md §8 (seed 2 §44).
+
+Each :class:`~durably.App` owns a :class:`Metrics` on its own registry, so two apps in one
+process (tests, a console serving several) never mix their counts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.step_recovery = Counter(
+            "agent_step_recovery",
+            "Calls found unfinished when a run was resumed.",
+            ["state"],
+            registry=r,
+        )
+        self.idempotency_hit = Counter(
+            "agent_tool_idempotency_hit",
+            "Tool calls answered from the ledger.",
+            ["tool"],
+            registry=r,
+        )
+        self.idempotency_conflict = Counter(
+            "agent_tool_idempotency_conflict", "Same key, different input.", ["tool"], registry=r
+        )
+        self.unknown = Counter(
+            "agent_tool_unknown", "Tool calls whose outcome became unknown.", ["tool"], registry=r
+        )
+        self.reconciliation = Counter(
+            "agent_tool_reconciliation", "Reconciliation answers.", ["result"], registry=r
+        )
+        self.duplicate_side_effect = Counter(
+            "agent_duplicate_side_effect",
+            "Duplicate effects found by reconciliation.",
+            ["tool"],
+            registry=r,
+        )
+        self.lease_expired = Counter(
+            "agent_step_lease_expired", "Runs taken over after their lease expired.", registry=r
+        )
+        self.checkpoint_lag = Histogram(
+            "agent_checkpoint_after_tool_lag_seconds",
+            "From a tool returning to its result being committed.",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0),
+            registry=r,
+        )
+        self.replay_blocked = Counter(
+            "agent_replay_side_effect_blocked", "Live effects blocked during replay.", registry=r
+        )
+
+    def exposition(self) -> bytes:
+        """The metrics in Prometheus text format."""
+        return generate_latest(self.registry)

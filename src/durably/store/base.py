@@ -1,0 +1,293 @@
+"""The store contract: records, the one write path (``commit``), claims and reads.
+
+Every write about a run goes through :meth:`Store.commit`, one transaction that is *fenced*:
+it applies only if the writer still holds the run (its lease, or the state version it read).
+The transaction assigns gap-free event sequences, writes the events and their outbox rows,
+the step and tool-operation rows and the checkpoint together, so a crash leaves either all
+of a transition or none of it.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from durably.checkpoint import CheckpointDraft
+from durably.status import OperationStatus, RunStatus, StepStatus
+
+RUNNABLE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RECONCILING)
+
+
+def loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    run_id: str
+    tenant: str
+    workflow: str
+    workflow_version: str
+    plan_version: int
+    status: RunStatus
+    status_reason: str | None
+    input: dict[str, Any]
+    input_hash: str
+    result_json: str | None
+    error: dict[str, Any] | None
+    waiting_for: dict[str, Any] | None
+    lease_owner: str | None
+    lease_until: float | None
+    lease_epoch: int
+    state_version: int
+    last_sequence: int
+    available_at: float
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    run_id: str
+    step_id: str
+    position: int
+    kind: str
+    name: str
+    status: StepStatus
+    input_hash: str
+    output_json: str | None
+    error: dict[str, Any] | None
+    idempotency_key: str | None
+    attempts: int
+    settled_sequence: int | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class OperationRecord:
+    tenant: str
+    idempotency_key: str
+    run_id: str
+    step_id: str
+    plan_version: int
+    tool: str
+    tool_version: str
+    input_hash: str
+    arguments: dict[str, Any]
+    status: OperationStatus
+    result_json: str | None
+    error: dict[str, Any] | None
+    failure_category: str | None
+    external_operation_id: str | None
+    attempt: int
+    lease_owner: str | None
+    lease_until: float | None
+    lease_epoch: int | None
+    row_version: int
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    run_id: str
+    sequence: int
+    event_id: str
+    type: str
+    step_id: str | None
+    payload: dict[str, Any]
+    created_at: float
+
+
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    payload: dict[str, Any]
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The right to write about one run; every commit under it is fenced by (owner, epoch)."""
+
+    run_id: str
+    owner: str
+    epoch: int
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Fence for a writer without a lease (an operator): the run must be unleased and unchanged."""
+
+    run_id: str
+    state_version: int
+
+
+@dataclass(frozen=True)
+class NewRun:
+    run_id: str
+    tenant: str
+    workflow: str
+    workflow_version: str
+    input: dict[str, Any]
+    input_json: str
+    input_hash: str
+
+
+@dataclass(frozen=True)
+class StepWrite:
+    """Upsert of one step-ledger row. ``settle`` stamps it with this commit's last sequence."""
+
+    step_id: str
+    position: int
+    kind: str
+    name: str
+    status: StepStatus
+    input_hash: str
+    output_json: str | None = None
+    error: dict[str, Any] | None = None
+    idempotency_key: str | None = None
+    attempts: int = 0
+    settle: bool = False
+
+
+@dataclass(frozen=True)
+class OperationWrite:
+    """Insert (``expect_row_version=None``) or conditional update of a tool operation.
+
+    ``hold_lease`` stamps the operation with the committing lease (owner, epoch, expiry).
+    """
+
+    tenant: str
+    idempotency_key: str
+    run_id: str
+    step_id: str
+    plan_version: int
+    tool: str
+    tool_version: str
+    input_hash: str
+    arguments_json: str
+    status: OperationStatus
+    result_json: str | None = None
+    error: dict[str, Any] | None = None
+    failure_category: str | None = None
+    external_operation_id: str | None = None
+    attempt: int = 0
+    expect_row_version: int | None = None
+    hold_lease: bool = False
+
+
+@dataclass(frozen=True)
+class EventWrite:
+    type: str
+    step_id: str | None = None
+    payload: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunUpdate:
+    status: RunStatus
+    status_reason: str | None = None
+    result_json: str | None = None
+    error: dict[str, Any] | None = None
+    waiting_for: dict[str, Any] | None = None
+    available_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Transition:
+    events: list[EventWrite]
+    step: StepWrite | None = None
+    operation: OperationWrite | None = None
+    run: RunUpdate | None = None
+    checkpoint: CheckpointDraft | None = None
+    release: bool = False
+
+
+@dataclass(frozen=True)
+class Committed:
+    last_sequence: int
+    state_version: int
+    operation_row_version: int | None
+    lease_until: float | None
+
+
+@dataclass(frozen=True)
+class Journal:
+    """What a worker needs to resume a run, read in one transaction."""
+
+    run: RunRecord
+    steps: list[StepRecord]
+    operations: list[OperationRecord]
+    checkpoints: list[StoredCheckpoint]
+
+
+@dataclass(frozen=True)
+class Claim:
+    run: RunRecord
+    lease: Lease
+    recovered: bool
+    """The previous holder's lease had expired while the run was in flight."""
+
+
+class Store(abc.ABC):
+    """A durable store. All methods are coroutines; one method is one transaction."""
+
+    url: str
+
+    @abc.abstractmethod
+    async def migrate(self) -> list[int]:
+        """Apply pending schema migrations; return the versions applied."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def now(self) -> float:
+        """The store's clock (UTC unix seconds): leases are judged by it, not a worker's."""
+
+    @abc.abstractmethod
+    async def create_run(self, new: NewRun) -> tuple[RunRecord, bool]:
+        """Insert a queued run (with its ``run_started`` event) or return the existing one."""
+
+    @abc.abstractmethod
+    async def claim_run(self, run_id: str, owner: str, ttl_s: float) -> Claim | None:
+        """Lease this run if it is runnable and not leased by someone alive."""
+
+    @abc.abstractmethod
+    async def claim_next(self, owner: str, ttl_s: float, workflows: list[str]) -> Claim | None:
+        """Lease the oldest runnable run of one of ``workflows``, if any."""
+
+    @abc.abstractmethod
+    async def heartbeat(self, lease: Lease) -> float:
+        """Extend the lease; raise :class:`LeaseLostError` if it is no longer ours."""
+
+    @abc.abstractmethod
+    async def commit(self, guard: Lease | Expect, transition: Transition) -> Committed:
+        """Apply ``transition`` atomically if ``guard`` still holds (else LeaseLostError or
+        InvalidTransition); a failed operation precondition raises InvalidTransition."""
+
+    @abc.abstractmethod
+    async def get_run(self, run_id: str) -> RunRecord | None: ...
+
+    @abc.abstractmethod
+    async def list_runs(
+        self, *, status: RunStatus | None = None, workflow: str | None = None, limit: int = 100
+    ) -> list[RunRecord]: ...
+
+    @abc.abstractmethod
+    async def load_journal(self, run_id: str, *, checkpoints: int = 3) -> Journal | None: ...
+
+    @abc.abstractmethod
+    async def events(self, run_id: str, *, after: int = 0) -> list[EventRecord]: ...
+
+    @abc.abstractmethod
+    async def checkpoints(self, run_id: str) -> list[StoredCheckpoint]:
+        """All checkpoints of a run, newest first."""
+
+    @abc.abstractmethod
+    async def next_wakeup(self, workflows: list[str]) -> float | None:
+        """When the next runnable run of ``workflows`` becomes due (None: nothing runnable)."""

@@ -1,0 +1,630 @@
+"""The embedded store: one SQLite file, stdlib ``sqlite3``.
+
+Statements run on the calling thread inside the ``async`` methods. A commit here costs one
+fsync (~150 µs); SQLite serialises writers anyway, and a hop to a helper thread would cost
+about as much as it could overlap, so the event loop simply waits for it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from durably.errors import ConfigurationError, InvalidTransition, LeaseLostError
+from durably.keys import canonical_json
+from durably.status import OperationStatus, RunStatus, StepStatus
+from durably.store.base import (
+    RUNNABLE,
+    Claim,
+    Committed,
+    EventRecord,
+    Expect,
+    Journal,
+    Lease,
+    NewRun,
+    OperationRecord,
+    RunRecord,
+    StepRecord,
+    Store,
+    StoredCheckpoint,
+    Transition,
+    loads,
+)
+from durably.store.migrations import Migrator, split_statements
+
+_RUNNABLE_SQL = ", ".join(f"'{s.value}'" for s in RUNNABLE)
+
+
+def path_from_url(url: str) -> str:
+    """``sqlite:///rel.db`` → ``rel.db``; ``sqlite:////abs.db`` → ``/abs.db``."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix) or len(url) == len(prefix):
+        raise ConfigurationError(
+            f"not a SQLite URL: {url!r}; write sqlite:///relative/path.db or "
+            "sqlite:////absolute/path.db"
+        )
+    return url[len(prefix) :]
+
+
+def _json_or_none(value: Any) -> str | None:
+    return None if value is None else canonical_json(value)
+
+
+class SQLiteStore(Store):
+    """Store on a SQLite file; several processes may share it (one writer at a time)."""
+
+    def __init__(self, url: str, *, busy_timeout_s: float = 30.0) -> None:
+        self.url = url
+        path = path_from_url(url)
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves, so Python's implicit
+        # transactions never split or merge what must be one transaction.
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._conn.row_factory = sqlite3.Row
+        # WAL: readers (CLI, console) never block the worker's writes, and a commit is one
+        # sequential append.
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        # FULL: fsync the WAL at every commit. NORMAL could lose the last commits on power
+        # loss, and a lost "effect succeeded" record is a repeated effect.
+        self._conn.execute("PRAGMA synchronous=FULL")
+        # Other processes may hold the write lock briefly: wait for it instead of failing.
+        self._conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        # One connection per store; the lock keeps a transaction whole if the store is
+        # shared by threads (a CLI command while a worker thread runs, tests).
+        self._lock = threading.RLock()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        # BEGIN IMMEDIATE takes the write lock up front, so two writers never deadlock
+        # upgrading read locks, and a read-then-write (claims) is atomic.
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    # -- schema -------------------------------------------------------------------------
+
+    async def migrate(self) -> list[int]:
+        return Migrator("sqlite", self).apply()
+
+    def schema_version(self) -> int:
+        with self._lock:
+            exists = self._conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE name = 'durably_schema_migrations'"
+            ).fetchone()
+            if not exists:
+                return 0
+            row = self._conn.execute(
+                "SELECT max(version) FROM durably_schema_migrations"
+            ).fetchone()
+            return int(row[0] or 0)
+
+    def apply_migration(self, version: int, name: str, sql: str) -> bool:
+        with self._tx() as db:
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS durably_schema_migrations ("
+                "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"
+            )
+            # Another process may have applied it while we waited for the write lock.
+            if db.execute(
+                "SELECT 1 FROM durably_schema_migrations WHERE version = ?", (version,)
+            ).fetchone():
+                return False
+            for statement in split_statements(sql):
+                db.execute(statement)
+            db.execute(
+                "INSERT INTO durably_schema_migrations (version, name, applied_at) "
+                "VALUES (?, ?, ?)",
+                (version, name, time.time()),
+            )
+        return True
+
+    async def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    async def now(self) -> float:
+        return time.time()
+
+    # -- runs ---------------------------------------------------------------------------
+
+    async def create_run(self, new: NewRun) -> tuple[RunRecord, bool]:
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute("SELECT * FROM durably_runs WHERE run_id = ?", (new.run_id,))
+            existing = row.fetchone()
+            if existing is not None:
+                return _run(existing), False
+            db.execute(
+                "INSERT INTO durably_runs (run_id, tenant_id, workflow, workflow_version, "
+                "status, input_json, input_hash, last_sequence, state_version, available_at, "
+                "created_at, updated_at) VALUES (?, ?, ?, ?, 'queued', ?, ?, 1, 1, ?, ?, ?)",
+                (
+                    new.run_id,
+                    new.tenant,
+                    new.workflow,
+                    new.workflow_version,
+                    new.input_json,
+                    new.input_hash,
+                    now,
+                    now,
+                    now,
+                ),
+            )
+            payload = {"workflow": new.workflow, "version": new.workflow_version}
+            self._insert_event(db, new.run_id, 1, "run_started", None, payload, now)
+            created = db.execute("SELECT * FROM durably_runs WHERE run_id = ?", (new.run_id,))
+            return _run(created.fetchone()), True
+
+    async def claim_run(self, run_id: str, owner: str, ttl_s: float) -> Claim | None:
+        with self._tx() as db:
+            return self._claim(db, run_id, owner, ttl_s, time.time())
+
+    async def claim_next(self, owner: str, ttl_s: float, workflows: list[str]) -> Claim | None:
+        if not workflows:
+            return None
+        now = time.time()
+        marks = ", ".join("?" for _ in workflows)
+        with self._tx() as db:
+            row = db.execute(
+                f"SELECT run_id FROM durably_runs WHERE status IN ({_RUNNABLE_SQL}) "
+                f"AND available_at <= ? AND (lease_owner IS NULL OR lease_until < ?) "
+                f"AND workflow IN ({marks}) ORDER BY available_at, created_at LIMIT 1",
+                (now, now, *workflows),
+            ).fetchone()
+            if row is None:
+                return None
+            return self._claim(db, row["run_id"], owner, ttl_s, now)
+
+    def _claim(
+        self, db: sqlite3.Connection, run_id: str, owner: str, ttl_s: float, now: float
+    ) -> Claim | None:
+        before = db.execute(
+            f"SELECT status, lease_owner, lease_until FROM durably_runs WHERE run_id = ? "
+            f"AND status IN ({_RUNNABLE_SQL}) AND available_at <= ? "
+            f"AND (lease_owner IS NULL OR lease_until < ? OR lease_owner = ?)",
+            (run_id, now, now, owner),
+        ).fetchone()
+        if before is None:
+            return None
+        recovered = before["status"] != RunStatus.QUEUED and before["lease_owner"] not in (
+            None,
+            owner,
+        )
+        row = db.execute(
+            "UPDATE durably_runs SET lease_owner = ?, lease_until = ?, "
+            "lease_epoch = lease_epoch + 1, state_version = state_version + 1, "
+            "status = 'running', updated_at = ? "
+            "WHERE run_id = ? RETURNING *",
+            (owner, now + ttl_s, now, run_id),
+        ).fetchone()
+        run = _run(row)
+        if recovered:
+            sequence = db.execute(
+                "UPDATE durably_runs SET last_sequence = last_sequence + 1 WHERE run_id = ? "
+                "RETURNING last_sequence",
+                (run_id,),
+            ).fetchone()[0]
+            payload = {"previous_owner": before["lease_owner"], "lease_until": before[2]}
+            self._insert_event(db, run_id, sequence, "run_recovered", None, payload, now)
+        return Claim(
+            run=run, lease=Lease(run_id, owner, run.lease_epoch, ttl_s), recovered=recovered
+        )
+
+    async def heartbeat(self, lease: Lease) -> float:
+        until = time.time() + lease.ttl_s
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE durably_runs SET lease_until = ? WHERE run_id = ? AND lease_owner = ? "
+                "AND lease_epoch = ?",
+                (until, lease.run_id, lease.owner, lease.epoch),
+            )
+            if cur.rowcount != 1:
+                raise _lease_lost(lease)
+        return until
+
+    async def commit(self, guard: Lease | Expect, transition: Transition) -> Committed:
+        now = time.time()
+        t = transition
+        with self._tx() as db:
+            lease_until: float | None = None
+            if isinstance(guard, Lease):
+                lease_until = None if t.release else now + guard.ttl_s
+                fenced = db.execute(
+                    "UPDATE durably_runs SET last_sequence = last_sequence + ?, "
+                    "state_version = state_version + 1, lease_until = ?, "
+                    "lease_owner = CASE WHEN ? THEN NULL ELSE lease_owner END, updated_at = ? "
+                    "WHERE run_id = ? AND lease_owner = ? AND lease_epoch = ? "
+                    "RETURNING last_sequence, state_version",
+                    (
+                        len(t.events),
+                        lease_until,
+                        t.release,
+                        now,
+                        guard.run_id,
+                        guard.owner,
+                        guard.epoch,
+                    ),
+                ).fetchone()
+                if fenced is None:
+                    raise _lease_lost(guard)
+            else:
+                fenced = db.execute(
+                    "UPDATE durably_runs SET last_sequence = last_sequence + ?, "
+                    "state_version = state_version + 1, updated_at = ? "
+                    "WHERE run_id = ? AND state_version = ? "
+                    "AND (lease_owner IS NULL OR lease_until < ?) "
+                    "RETURNING last_sequence, state_version",
+                    (len(t.events), now, guard.run_id, guard.state_version, now),
+                ).fetchone()
+                if fenced is None:
+                    raise InvalidTransition(
+                        f"run {guard.run_id} changed or is held by a worker; read it again and "
+                        "retry",
+                        run_id=guard.run_id,
+                    )
+            last_sequence, state_version = int(fenced[0]), int(fenced[1])
+            if t.run is not None:
+                u = t.run
+                db.execute(
+                    "UPDATE durably_runs SET status = ?, status_reason = ?, "
+                    "result_json = coalesce(?, result_json), error_json = ?, "
+                    "waiting_for_json = ?, available_at = coalesce(?, available_at) "
+                    "WHERE run_id = ?",
+                    (
+                        u.status.value,
+                        u.status_reason,
+                        u.result_json,
+                        _json_or_none(u.error),
+                        _json_or_none(u.waiting_for),
+                        u.available_at,
+                        guard.run_id,
+                    ),
+                )
+            first = last_sequence - len(t.events) + 1
+            for offset, event in enumerate(t.events):
+                self._insert_event(
+                    db, guard.run_id, first + offset, event.type, event.step_id, event.payload, now
+                )
+            if t.step is not None:
+                self._upsert_step(db, guard.run_id, t, last_sequence, now)
+            op_version = None
+            if t.operation is not None:
+                op_version = self._write_operation(db, guard, t, now, lease_until)
+            if t.checkpoint is not None:
+                cp = t.checkpoint.seal(
+                    state_version=state_version, last_event_sequence=last_sequence
+                )
+                db.execute(
+                    "INSERT INTO durably_checkpoints (checkpoint_id, run_id, state_version, "
+                    "last_event_sequence, schema_version, payload_json, checksum, created_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        cp.checkpoint_id,
+                        cp.run_id,
+                        cp.state_version,
+                        cp.last_event_sequence,
+                        cp.schema_version,
+                        canonical_json(cp.payload()),
+                        cp.checksum,
+                        now,
+                    ),
+                )
+        return Committed(last_sequence, state_version, op_version, lease_until)
+
+    def _insert_event(
+        self,
+        db: sqlite3.Connection,
+        run_id: str,
+        sequence: int,
+        type_: str,
+        step_id: str | None,
+        payload: dict[str, Any],
+        now: float,
+    ) -> None:
+        event_id = uuid.uuid4().hex
+        db.execute(
+            "INSERT INTO durably_events (run_id, sequence, event_id, type, step_id, "
+            "payload_json, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (run_id, sequence, event_id, type_, step_id, canonical_json(payload), now),
+        )
+        db.execute(
+            "INSERT INTO durably_outbox (run_id, sequence, event_id, created_at) "
+            "VALUES (?, ?, ?, ?)",
+            (run_id, sequence, event_id, now),
+        )
+
+    def _upsert_step(
+        self, db: sqlite3.Connection, run_id: str, t: Transition, last_sequence: int, now: float
+    ) -> None:
+        s = t.step
+        assert s is not None
+        db.execute(
+            "INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, "
+            "input_hash, output_json, error_json, idempotency_key, attempts, settled_sequence, "
+            "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status, "
+            "output_json = excluded.output_json, error_json = excluded.error_json, "
+            "attempts = excluded.attempts, "
+            "settled_sequence = coalesce(excluded.settled_sequence, settled_sequence), "
+            "updated_at = excluded.updated_at",
+            (
+                run_id,
+                s.step_id,
+                s.position,
+                s.kind,
+                s.name,
+                s.status.value,
+                s.input_hash,
+                s.output_json,
+                _json_or_none(s.error),
+                s.idempotency_key,
+                s.attempts,
+                last_sequence if s.settle else None,
+                now,
+                now,
+            ),
+        )
+
+    def _write_operation(
+        self,
+        db: sqlite3.Connection,
+        guard: Lease | Expect,
+        t: Transition,
+        now: float,
+        lease_until: float | None,
+    ) -> int:
+        o = t.operation
+        assert o is not None
+        held = isinstance(guard, Lease) and o.hold_lease
+        lease = (
+            (guard.owner, lease_until, guard.epoch)
+            if held and isinstance(guard, Lease)
+            else (None, None, None)
+        )
+        values = (
+            o.status.value,
+            o.result_json,
+            _json_or_none(o.error),
+            o.failure_category,
+            o.external_operation_id,
+            o.attempt,
+            *lease,
+            now,
+        )
+        if o.expect_row_version is None:
+            try:
+                db.execute(
+                    "INSERT INTO durably_tool_operations (status, result_json, error_json, "
+                    "failure_category, external_operation_id, attempt, lease_owner, "
+                    "lease_until, lease_epoch, updated_at, tenant_id, idempotency_key, run_id, "
+                    "step_id, plan_version, tool_name, tool_version, input_hash, "
+                    "arguments_json, created_at, row_version) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)",
+                    (
+                        *values,
+                        o.tenant,
+                        o.idempotency_key,
+                        o.run_id,
+                        o.step_id,
+                        o.plan_version,
+                        o.tool,
+                        o.tool_version,
+                        o.input_hash,
+                        o.arguments_json,
+                        now,
+                    ),
+                )
+            except sqlite3.IntegrityError as exc:
+                raise InvalidTransition(
+                    f"operation {o.idempotency_key} already exists; it was recorded by another "
+                    "writer",
+                    run_id=o.run_id,
+                    step_id=o.step_id,
+                    idempotency_key=o.idempotency_key,
+                ) from exc
+            return 1
+        row = db.execute(
+            "UPDATE durably_tool_operations SET status = ?, result_json = ?, error_json = ?, "
+            "failure_category = ?, external_operation_id = coalesce(?, external_operation_id), "
+            "attempt = ?, lease_owner = ?, lease_until = ?, lease_epoch = ?, updated_at = ?, "
+            "row_version = row_version + 1 "
+            "WHERE tenant_id = ? AND idempotency_key = ? AND row_version = ? "
+            "RETURNING row_version",
+            (*values, o.tenant, o.idempotency_key, o.expect_row_version),
+        ).fetchone()
+        if row is None:
+            raise InvalidTransition(
+                f"operation {o.idempotency_key} changed under us (expected row_version "
+                f"{o.expect_row_version}); another writer got there first",
+                run_id=o.run_id,
+                step_id=o.step_id,
+                idempotency_key=o.idempotency_key,
+            )
+        return int(row[0])
+
+    # -- reads --------------------------------------------------------------------------
+
+    async def get_run(self, run_id: str) -> RunRecord | None:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT * FROM durably_runs WHERE run_id = ?", (run_id,)
+            ).fetchone()
+        return None if row is None else _run(row)
+
+    async def list_runs(
+        self, *, status: RunStatus | None = None, workflow: str | None = None, limit: int = 100
+    ) -> list[RunRecord]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT * FROM durably_runs WHERE (? IS NULL OR status = ?) "
+                "AND (? IS NULL OR workflow = ?) ORDER BY created_at DESC, run_id LIMIT ?",
+                (status, status, workflow, workflow, limit),
+            ).fetchall()
+        return [_run(r) for r in rows]
+
+    async def load_journal(self, run_id: str, *, checkpoints: int = 3) -> Journal | None:
+        # A deferred transaction gives one consistent snapshot of the three tables.
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                row = self._conn.execute(
+                    "SELECT * FROM durably_runs WHERE run_id = ?", (run_id,)
+                ).fetchone()
+                if row is None:
+                    return None
+                steps = self._conn.execute(
+                    "SELECT * FROM durably_steps WHERE run_id = ? ORDER BY position", (run_id,)
+                ).fetchall()
+                ops = self._conn.execute(
+                    "SELECT * FROM durably_tool_operations WHERE run_id = ?", (run_id,)
+                ).fetchall()
+                cps = self._conn.execute(
+                    "SELECT payload_json, checksum FROM durably_checkpoints WHERE run_id = ? "
+                    "ORDER BY state_version DESC LIMIT ?",
+                    (run_id, checkpoints),
+                ).fetchall()
+            finally:
+                self._conn.execute("COMMIT")
+        return Journal(
+            run=_run(row),
+            steps=[_step(s) for s in steps],
+            operations=[_operation(o) for o in ops],
+            checkpoints=[_checkpoint(c) for c in cps],
+        )
+
+    async def events(self, run_id: str, *, after: int = 0) -> list[EventRecord]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT * FROM durably_events WHERE run_id = ? AND sequence > ? ORDER BY sequence",
+                (run_id, after),
+            ).fetchall()
+        return [
+            EventRecord(
+                run_id=r["run_id"],
+                sequence=r["sequence"],
+                event_id=r["event_id"],
+                type=r["type"],
+                step_id=r["step_id"],
+                payload=loads(r["payload_json"]),
+                created_at=r["created_at"],
+            )
+            for r in rows
+        ]
+
+    async def checkpoints(self, run_id: str) -> list[StoredCheckpoint]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT payload_json, checksum FROM durably_checkpoints WHERE run_id = ? "
+                "ORDER BY state_version DESC",
+                (run_id,),
+            ).fetchall()
+        return [_checkpoint(r) for r in rows]
+
+    async def next_wakeup(self, workflows: list[str]) -> float | None:
+        if not workflows:
+            return None
+        marks = ", ".join("?" for _ in workflows)
+        now = time.time()
+        with self._lock:
+            row = self._conn.execute(
+                f"SELECT min(max(available_at, coalesce(lease_until, 0))) FROM durably_runs "
+                f"WHERE status IN ({_RUNNABLE_SQL}) AND workflow IN ({marks}) "
+                f"AND (lease_owner IS NULL OR lease_until < ?)",
+                (*workflows, now),
+            ).fetchone()
+        return None if row[0] is None else float(row[0])
+
+
+def _lease_lost(lease: Lease) -> LeaseLostError:
+    return LeaseLostError(
+        f"lease on run {lease.run_id} (owner {lease.owner}, epoch {lease.epoch}) was lost: "
+        "another worker took the run over; this worker stops working on it",
+        run_id=lease.run_id,
+    )
+
+
+def _run(r: sqlite3.Row) -> RunRecord:
+    return RunRecord(
+        run_id=r["run_id"],
+        tenant=r["tenant_id"],
+        workflow=r["workflow"],
+        workflow_version=r["workflow_version"],
+        plan_version=r["plan_version"],
+        status=RunStatus(r["status"]),
+        status_reason=r["status_reason"],
+        input=loads(r["input_json"]),
+        input_hash=r["input_hash"],
+        result_json=r["result_json"],
+        error=loads(r["error_json"]),
+        waiting_for=loads(r["waiting_for_json"]),
+        lease_owner=r["lease_owner"],
+        lease_until=r["lease_until"],
+        lease_epoch=r["lease_epoch"],
+        state_version=r["state_version"],
+        last_sequence=r["last_sequence"],
+        available_at=r["available_at"],
+        created_at=r["created_at"],
+        updated_at=r["updated_at"],
+    )
+
+
+def _step(r: sqlite3.Row) -> StepRecord:
+    return StepRecord(
+        run_id=r["run_id"],
+        step_id=r["step_id"],
+        position=r["position"],
+        kind=r["kind"],
+        name=r["name"],
+        status=StepStatus(r["status"]),
+        input_hash=r["input_hash"],
+        output_json=r["output_json"],
+        error=loads(r["error_json"]),
+        idempotency_key=r["idempotency_key"],
+        attempts=r["attempts"],
+        settled_sequence=r["settled_sequence"],
+        created_at=r["created_at"],
+        updated_at=r["updated_at"],
+    )
+
+
+def _operation(r: sqlite3.Row) -> OperationRecord:
+    return OperationRecord(
+        tenant=r["tenant_id"],
+        idempotency_key=r["idempotency_key"],
+        run_id=r["run_id"],
+        step_id=r["step_id"],
+        plan_version=r["plan_version"],
+        tool=r["tool_name"],
+        tool_version=r["tool_version"],
+        input_hash=r["input_hash"],
+        arguments=loads(r["arguments_json"]),
+        status=OperationStatus(r["status"]),
+        result_json=r["result_json"],
+        error=loads(r["error_json"]),
+        failure_category=r["failure_category"],
+        external_operation_id=r["external_operation_id"],
+        attempt=r["attempt"],
+        lease_owner=r["lease_owner"],
+        lease_until=r["lease_until"],
+        lease_epoch=r["lease_epoch"],
+        row_version=r["row_version"],
+        created_at=r["created_at"],
+        updated_at=r["updated_at"],
+    )
+
+
+def _checkpoint(r: sqlite3.Row) -> StoredCheckpoint:
+    return StoredCheckpoint(payload=loads(r["payload_json"]), checksum=r["checksum"])
