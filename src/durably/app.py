@@ -120,9 +120,7 @@ class Durable(Generic[P, R]):
         if isinstance(self.definition, ToolDef):
             effect = effects.Effect(ctx, self.definition, args, kwargs, self._step_id)
             return effect.settle()
-        return runtime.call_step(
-            ctx, self.definition, args, kwargs, self._step_id
-        )
+        return runtime.call_step(ctx, self.definition, args, kwargs, self._step_id)
 
 
 class App:
@@ -435,7 +433,7 @@ class App:
         workflow sees :class:`StepFailed`). The run becomes runnable (``queued``).
         """
         store = await self.open()
-        journal = await store.load_journal(run_id)
+        journal = await store.load_journal(run_id, checkpoints=runtime.CHECKPOINTS_READ)
         if journal is None:
             raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
         run = journal.run
@@ -461,7 +459,8 @@ class App:
             )
         op = ops[0]
         step = next(s for s in journal.steps if s.step_id == step_id)
-        journal_state = runtime._journal_state(run_id, journal.steps, journal.operations)
+        # Verify first: a new checkpoint over an altered journal would launder the damage.
+        journal_state, corrupted = await runtime.verified(store, journal)
         result_json = None
         error: dict[str, Any] | None = None
         category = None
@@ -484,6 +483,7 @@ class App:
             Expect(run_id, run.state_version),
             Transition(
                 events=[
+                    *([corrupted] if corrupted else []),
                     EventWrite(
                         "effect_resolved",
                         step_id,

@@ -111,7 +111,7 @@ class Effect:
             self.step_id,
             tool.operation_group or tool.name,
         )
-        ctx.replayed(ctx.steps.get(self.step_id), "tool", tool.name, self.input_hash)
+        ctx.replayed(self.step_id, self.position, "tool", tool.name, self.input_hash)
         self.op: OperationRecord | None = ctx.operations.get(self.key)
         self.reconciling = False
 

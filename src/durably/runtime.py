@@ -20,6 +20,7 @@ from durably.definitions import StepDef, bind_arguments, invoke
 from durably.errors import (
     CheckpointCorrupted,
     DurablyError,
+    IdempotencyConflict,
     LeaseLostError,
     NonDeterminismError,
     NotJSONSerializable,
@@ -32,6 +33,7 @@ from durably.store.base import (
     Claim,
     Committed,
     EventWrite,
+    Journal,
     Lease,
     OperationRecord,
     RunRecord,
@@ -49,6 +51,13 @@ log = logging.getLogger("durably")
 
 CHECKPOINTS_READ = 3
 """Checkpoints read on resume; more are read only when all of these fail their checksum."""
+
+
+_PAUSE_REASONS = {
+    NonDeterminismError: PauseReason.NON_DETERMINISM,
+    IdempotencyConflict: PauseReason.IDEMPOTENCY_CONFLICT,
+    CheckpointCorrupted: PauseReason.CHECKPOINT_CORRUPTED,
+}
 
 
 class Suspend(BaseException):
@@ -76,6 +85,10 @@ class RunContext:
     counters: Counter[str] = field(default_factory=Counter)
     positions: int = 0
     stopped: bool = False
+    by_position: dict[int, StepRecord] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_position = {s.position: s for s in self.steps.values()}
 
     def allocate(self, name: str, explicit: str | None) -> tuple[str, int]:
         """The deterministic step id of the next call: ``<name>#<n>`` or the explicit one."""
@@ -92,9 +105,20 @@ class RunContext:
             self.stopped = True
             raise
 
-    def replayed(self, step: StepRecord | None, kind: str, name: str, ih: str) -> None:
-        """Raise if the journal holds a different call at this position."""
+    def replayed(self, step_id: str, position: int, kind: str, name: str, ih: str) -> None:
+        """Raise if the journal holds a different call at this position or step id."""
+        step = self.steps.get(step_id)
         if step is None:
+            other = self.by_position.get(position)
+            if other is not None:
+                raise NonDeterminismError(
+                    f"call #{position} of this run was recorded as {other.kind} "
+                    f"{other.step_id!r} but the workflow now calls {kind} {step_id!r} there; "
+                    "the workflow code changed under a running run. Deploy the old code for "
+                    "it, or start a new run",
+                    run_id=self.run.run_id,
+                    step_id=step_id,
+                )
             return
         if step.kind != kind or step.name != name:
             raise NonDeterminismError(
@@ -127,8 +151,8 @@ async def call_step(
     step_id, position = ctx.allocate(sdef.name, explicit)
     arguments = bind_arguments(sdef.signature, sdef.name, args, kwargs)
     ih = input_hash(sdef.name, sdef.version, arguments)
+    ctx.replayed(step_id, position, "step", sdef.name, ih)
     recorded = ctx.steps.get(step_id)
-    ctx.replayed(recorded, "step", sdef.name, ih)
     if recorded is not None and recorded.status is StepStatus.SUCCEEDED:
         return json.loads(recorded.output_json or "null")
     if recorded is not None and recorded.status is StepStatus.FAILED:
@@ -221,12 +245,13 @@ def _journal_state(
     return state
 
 
-async def load_context(app: App, claim: Claim) -> RunContext:
-    """Read and verify the run's journal; raises CheckpointCorrupted if it cannot be trusted."""
-    store = app.store
-    run_id = claim.run.run_id
-    journal = await store.load_journal(run_id, checkpoints=CHECKPOINTS_READ)
-    assert journal is not None, "a claimed run exists"
+async def verified(store: Store, journal: Journal) -> tuple[JournalState, EventWrite | None]:
+    """The journal's state, verified against its checkpoints (and the event log if needed).
+
+    Raises :class:`CheckpointCorrupted` if the journal cannot be trusted. The event returned
+    (if any) reports checkpoints that failed their checksum; commit it with the next write.
+    """
+    run_id = journal.run.run_id
     settled = [
         SettledResult(s.step_id, s.settled_sequence, sha256_hex(s.output_json or "null"))
         for s in journal.steps
@@ -238,44 +263,51 @@ async def load_context(app: App, claim: Claim) -> RunContext:
     except CheckpointCorrupted:
         verification = None
     if verification is None or verification.corrupted_checkpoints:
-        # The slow path: read the event log and check everything against it.
-        if len(journal.checkpoints) == CHECKPOINTS_READ:
-            stored = [(c.payload, c.checksum) for c in await store.checkpoints(run_id)]
+        # The slow path: read every checkpoint and the event log, check all against them.
+        stored = [(c.payload, c.checksum) for c in await store.checkpoints(run_id)]
         events = await store.events(run_id)
 
         def from_events(sequence: int) -> dict[str, str]:
             return {
                 e.step_id: str(e.payload["output_hash"])
                 for e in events
-                if e.sequence > sequence and e.step_id and "output_hash" in e.payload
+                if e.sequence > sequence and e.step_id and e.payload.get("output_hash")
             }
 
         verification = verify_journal(settled, stored, from_events)
+    state = _journal_state(run_id, journal.steps, journal.operations)
+    if not verification.corrupted_checkpoints:
+        return state, None
+    anchor = verification.anchor
+    return state, EventWrite(
+        "checkpoint_corrupted",
+        None,
+        {
+            "checkpoint_ids": verification.corrupted_checkpoints,
+            "recovered_from": anchor.checkpoint_id if anchor else "event_log",
+        },
+    )
+
+
+async def load_context(app: App, claim: Claim) -> RunContext:
+    """Read and verify the run's journal; raises CheckpointCorrupted if it cannot be trusted."""
+    journal = await app.store.load_journal(claim.run.run_id, checkpoints=CHECKPOINTS_READ)
+    assert journal is not None, "a claimed run exists"
+    state, corrupted = await verified(app.store, journal)
     ctx = RunContext(
         app=app,
-        store=store,
+        store=app.store,
         run=journal.run,
         lease=claim.lease,
-        journal=_journal_state(run_id, journal.steps, journal.operations),
+        journal=state,
         steps={s.step_id: s for s in journal.steps},
         operations={o.idempotency_key: o for o in journal.operations},
     )
-    if verification.corrupted_checkpoints:
+    if corrupted is not None:
         app.metrics.step_recovery.labels(state="checkpoint_corrupted").inc()
         await ctx.commit(
             Transition(
-                events=[
-                    EventWrite(
-                        "checkpoint_corrupted",
-                        None,
-                        {
-                            "checkpoint_ids": verification.corrupted_checkpoints,
-                            "recovered_from": verification.anchor.checkpoint_id
-                            if verification.anchor
-                            else "event_log",
-                        },
-                    )
-                ],
+                events=[corrupted],
                 checkpoint=ctx.journal.draft(status=ctx.run.status, current_step=None),
             )
         )
@@ -307,13 +339,10 @@ async def drive(app: App, claim: Claim) -> None:
         except LeaseLostError:
             log.warning("run %s: lease lost; another worker continues it", ctx.run.run_id)
             return
-        except (NonDeterminismError, CheckpointCorrupted) as exc:
-            reason = (
-                PauseReason.NON_DETERMINISM
-                if isinstance(exc, NonDeterminismError)
-                else PauseReason.CHECKPOINT_CORRUPTED
-            )
-            await _finish(app, ctx.lease, RunStatus.PAUSED, reason, exc, ctx)
+        except (NonDeterminismError, IdempotencyConflict, CheckpointCorrupted) as exc:
+            # The code or the data changed under the run: a person must look; failing it
+            # would be final, and guessing would be worse.
+            await _finish(app, ctx.lease, RunStatus.PAUSED, _PAUSE_REASONS[type(exc)], exc, ctx)
             return
         except Exception as exc:
             await _finish(app, ctx.lease, RunStatus.FAILED, None, exc, ctx)

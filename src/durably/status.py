@@ -88,4 +88,5 @@ class PauseReason(StrEnum):
     PERMISSION = "permission_denied"
     CHECKPOINT_CORRUPTED = "checkpoint_corrupted"
     NON_DETERMINISM = "non_determinism"
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     BUDGET_EXCEEDED = "budget_exceeded"

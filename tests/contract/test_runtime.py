@@ -1,0 +1,563 @@
+"""Workflow behaviour over a real store: replay, the effect ledger, failures, operator actions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import durably
+from durably import FailureCategory, Reconciliation, RetryPolicy, RunStatus
+from tests.conftest import execute_sql
+
+MakeApp = Callable[..., durably.App]
+FAST = RetryPolicy(max_attempts=3, initial_interval=timedelta(milliseconds=1))
+
+
+def events(app: durably.App, run_id: str) -> list[str]:
+    return [e.type for e in asyncio.run(app.store.events(run_id))]
+
+
+def test_completed_steps_and_effects_are_not_repeated(make_app: MakeApp) -> None:
+    """Re-executing a run replays recorded results; nothing runs twice."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+    state = {"pause": True}
+
+    @app.step()
+    def fetch(region: str) -> dict[str, Any]:
+        calls["fetch"] += 1
+        return {"region": region, "n": 3}
+
+    @app.tool(idempotent=True)
+    def order(n: int) -> dict[str, Any]:
+        calls["order"] += 1
+        return {"order_id": f"o{n}", "key": durably.idempotency_key()}
+
+    @app.tool()
+    def gate() -> str:
+        calls["gate"] += 1
+        if state["pause"]:
+            raise TimeoutError("no answer")
+        return "ok"
+
+    @app.workflow()
+    async def wf(region: str) -> dict[str, Any]:
+        figures = await fetch(region)
+        placed = await order(figures["n"])
+        await gate()
+        return placed
+
+    first = app.run(wf, "EMEA")
+    assert first.status is RunStatus.PAUSED
+    assert first.status_reason == "effect_state_unknown"
+    state["pause"] = False
+    app.resolve_effect(first.run_id, "gate#1", "not_executed")
+    done = app.resume(first.run_id)
+    assert done.status is RunStatus.COMPLETED
+    assert calls == Counter(fetch=1, order=1, gate=2)
+    assert done.result["order_id"] == "o3"
+
+
+def test_idempotency_key_is_stable_and_bound_to_position(make_app: MakeApp) -> None:
+    """The key is the same on every attempt of one call and differs between calls."""
+    app = make_app()
+    keys: list[str] = []
+    attempts = {"n": 0}
+
+    @app.tool(idempotent=True, retry=FAST)
+    def send(to: str) -> str:
+        keys.append(durably.idempotency_key())
+        attempts["n"] += 1
+        if attempts["n"] == 1:
+            raise ConnectionRefusedError("service down")
+        return to
+
+    @app.workflow()
+    async def wf() -> list[str]:
+        return [await send("a"), await send("b")]
+
+    run = app.run(wf)
+    assert run.status is RunStatus.COMPLETED and run.result == ["a", "b"]
+    assert keys[0] == keys[1] != keys[2]
+    effects = app.describe(run.run_id)["effects"]
+    assert [e["idempotency_key"] for e in effects] == [keys[1], keys[2]]
+    assert effects[0]["attempt"] == 2
+
+
+def test_same_key_with_other_input_is_a_conflict(make_app: MakeApp) -> None:
+    """A recorded call replayed with other arguments raises, never reuses the result."""
+    app = make_app()
+    args = {"amount": 10}
+    gate_open = {"v": False}
+
+    @app.tool(idempotent=True)
+    def charge(amount: int) -> int:
+        return amount
+
+    @app.tool()
+    def gate() -> None:
+        if not gate_open["v"]:
+            raise TimeoutError
+
+    @app.workflow()
+    async def wf() -> int:
+        charged = await charge(args["amount"])
+        await gate()
+        return charged
+
+    first = app.run(wf)
+    assert first.status is RunStatus.PAUSED
+    args["amount"] = 99
+    gate_open["v"] = True
+    app.resolve_effect(first.run_id, "gate#1", "not_executed")
+    again = app.resume(first.run_id)
+    assert again.status is RunStatus.PAUSED
+    assert again.status_reason == "idempotency_conflict"
+    assert again.error is not None and again.error["type"] == "IdempotencyConflict"
+    conflicts = app.metrics.idempotency_conflict.labels(tool="charge")._value.get()
+    assert conflicts == 1
+
+
+def test_changed_workflow_code_is_detected(make_app: MakeApp) -> None:
+    """A different call at a recorded position pauses the run with non_determinism."""
+    app = make_app()
+    flip = {"v": False}
+
+    @app.step()
+    def a() -> int:
+        return 1
+
+    @app.step()
+    def b() -> int:
+        return 2
+
+    @app.tool()
+    def gate() -> None:
+        if not flip["v"]:
+            raise TimeoutError
+
+    @app.workflow()
+    async def wf() -> int:
+        first = await (b() if flip["v"] else a())
+        await gate()
+        return first
+
+    run = app.run(wf)
+    flip["v"] = True
+    app.resolve_effect(run.run_id, "gate#1", "not_executed")
+    again = app.resume(run.run_id)
+    assert again.status is RunStatus.PAUSED and again.status_reason == "non_determinism"
+
+
+def test_failure_categories_decide_retries(make_app: MakeApp) -> None:
+    """Before-send and rate limits are retried; business rejection is raised at once."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+
+    @app.tool(retry=FAST)
+    def flaky() -> str:
+        calls["flaky"] += 1
+        if calls["flaky"] < 3:
+            raise durably.ToolError(
+                "slow down",
+                category=FailureCategory.RATE_LIMIT,
+                retry_after=timedelta(milliseconds=1),
+            )
+        return "ok"
+
+    @app.tool(retry=FAST)
+    def declined() -> str:
+        calls["declined"] += 1
+        raise durably.ToolError("card declined", category=FailureCategory.BUSINESS_REJECTED)
+
+    @app.workflow()
+    async def wf() -> dict[str, Any]:
+        result = await flaky()
+        try:
+            await declined()
+        except durably.StepFailed as exc:
+            return {"flaky": result, "declined": exc.category, "step": exc.step_id}
+        return {}
+
+    run = app.run(wf)
+    assert run.status is RunStatus.COMPLETED
+    assert run.result == {"flaky": "ok", "declined": "BUSINESS_REJECTED", "step": "declined#1"}
+    assert calls == Counter(flaky=3, declined=1)
+
+
+def test_exhausted_retries_fail_the_run(make_app: MakeApp) -> None:
+    """A before-send failure that never clears fails after max_attempts executions."""
+    app = make_app()
+    calls = Counter[str]()
+
+    @app.tool(retry=FAST)
+    def down() -> None:
+        calls["down"] += 1
+        raise ConnectionRefusedError
+
+    @app.workflow()
+    async def wf() -> None:
+        await down()
+
+    run = app.run(wf)
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None and run.error["type"] == "StepFailed"
+    assert calls["down"] == 3
+
+
+def test_unknown_outcome_is_reconciled_not_retried(make_app: MakeApp) -> None:
+    """A timeout after the request left asks reconcile; 'succeeded' is recorded, no re-send."""
+    app = make_app()
+    shop: list[str] = []
+
+    def lookup(op: durably.Operation) -> Reconciliation:
+        assert op.arguments == {"customer": "c1"}
+        found = [c for c in shop if c == op.arguments["customer"]]
+        return (
+            Reconciliation.succeeded({"coupon": found[0]})
+            if found
+            else (Reconciliation.not_executed())
+        )
+
+    @app.tool(reconcile=lookup, external_id=lambda r: r["coupon"])
+    def issue(customer: str) -> dict[str, str]:
+        shop.append(customer)
+        raise TimeoutError("answered too late")
+
+    @app.workflow()
+    async def wf() -> dict[str, str]:
+        return await issue("c1")
+
+    run = app.run(wf)
+    assert run.status is RunStatus.COMPLETED and run.result == {"coupon": "c1"}
+    assert shop == ["c1"]
+    effect = app.describe(run.run_id)["effects"][0]
+    assert effect["status"] == "succeeded" and effect["external_operation_id"] == "c1"
+    assert "effect_unknown" in events(app, run.run_id)
+    assert "effect_reconciled" in events(app, run.run_id)
+    assert app.metrics.reconciliation.labels(result="succeeded")._value.get() == 1
+
+
+def test_reconcile_not_executed_runs_again_with_same_key(make_app: MakeApp) -> None:
+    app = make_app()
+    keys: list[str] = []
+
+    @app.tool(reconcile=lambda op: Reconciliation.not_executed())
+    def send() -> str:
+        keys.append(durably.idempotency_key())
+        if len(keys) == 1:
+            raise durably.OutcomeUnknown("connection reset")
+        return "sent"
+
+    @app.workflow()
+    async def wf() -> str:
+        return await send()
+
+    run = app.run(wf)
+    assert run.status is RunStatus.COMPLETED
+    assert len(keys) == 2 and keys[0] == keys[1]
+
+
+def test_unresolved_effect_pauses_until_resolved(make_app: MakeApp) -> None:
+    """Neither idempotent nor reconcilable: the run pauses; an operator settles it."""
+    app = make_app()
+    sent: list[str] = []
+
+    @app.tool()
+    def send(to: str) -> dict[str, str]:
+        sent.append(to)
+        raise TimeoutError
+
+    @app.workflow()
+    async def wf() -> dict[str, str]:
+        return await send("lead@example.com")
+
+    run = app.run(wf)
+    assert run.status is RunStatus.PAUSED and run.status_reason == "effect_state_unknown"
+    assert run.waiting_for is not None and run.waiting_for["step_id"] == "send#1"
+    assert app.describe(run.run_id)["effects"][0]["status"] == "unknown"
+    assert app.resume(run.run_id).status is RunStatus.PAUSED  # still unknown: no guess
+    assert sent == ["lead@example.com"]
+    resolved = app.resolve_effect(run.run_id, "send#1", "succeeded", result={"id": "m1"})
+    assert resolved.status is RunStatus.QUEUED
+    done = app.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED and done.result == {"id": "m1"}
+    assert sent == ["lead@example.com"]
+    with pytest.raises(durably.InvalidTransition):
+        app.resolve_effect(run.run_id, "send#1", "failed")
+
+
+def test_resolve_failed_raises_in_workflow(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.tool()
+    def send() -> None:
+        raise TimeoutError
+
+    @app.workflow()
+    async def wf() -> str:
+        try:
+            await send()
+        except durably.StepFailed as exc:
+            return f"handled {exc.category}"
+        return "sent"
+
+    run = app.run(wf)
+    app.resolve_effect(run.run_id, "send#1", "failed")
+    assert app.resume(run.run_id).result == "handled BUSINESS_REJECTED"
+
+
+def test_non_json_tool_result_is_recorded_as_happened(make_app: MakeApp) -> None:
+    """The effect is recorded before the error surfaces, so it is never repeated."""
+    app = make_app()
+    calls = Counter[str]()
+
+    @app.tool(idempotent=True)
+    def weird() -> object:
+        calls["weird"] += 1
+        return {1, 2}
+
+    @app.workflow()
+    async def wf() -> None:
+        await weird()
+
+    run = app.run(wf)
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None and run.error["type"] == "NotJSONSerializable"
+    effect = app.describe(run.run_id)["effects"][0]
+    assert effect["status"] == "succeeded" and calls["weird"] == 1
+
+
+def test_redacted_arguments_are_not_stored_in_clear(make_app: MakeApp, database_url: str) -> None:
+    app = make_app()
+
+    @app.tool(idempotent=True, redact=["card"])
+    def pay(card: str, amount: int) -> int:
+        return amount
+
+    @app.workflow()
+    async def wf() -> int:
+        return await pay("4242424242424242", 5)
+
+    run = app.run(wf)
+    stored = app.describe(run.run_id)["effects"][0]["arguments"]
+    assert stored["amount"] == 5 and set(stored["card"]) == {"redacted"}
+    path = database_url.removeprefix("sqlite:///")
+    if database_url.startswith("sqlite:"):
+        with open(path, "rb") as db:
+            assert b"4242424242424242" not in db.read()
+
+
+def test_compensation_runs_once(make_app: MakeApp) -> None:
+    app = make_app()
+    undone: list[str] = []
+
+    def cancel(op: durably.Operation) -> str:
+        undone.append(op.result["order_id"])
+        return "cancelled"
+
+    @app.tool(idempotent=True, compensate=cancel)
+    def place() -> dict[str, str]:
+        return {"order_id": "o1"}
+
+    @app.tool()
+    def charge() -> None:
+        raise durably.ToolError("declined", category=FailureCategory.BUSINESS_REJECTED)
+
+    @app.workflow()
+    async def wf() -> list[str]:
+        await place()
+        try:
+            await charge()
+        except durably.StepFailed:
+            return await durably.compensate()
+        return []
+
+    run = app.run(wf)
+    assert run.status is RunStatus.COMPLETED and run.result == ["place#1"]
+    assert undone == ["o1"]
+    statuses = {e["step_id"]: e["status"] for e in app.describe(run.run_id)["effects"]}
+    assert statuses["place#1"] == "compensated"
+    assert statuses["compensate:place#1"] == "succeeded"
+
+
+def test_parallel_calls_get_ids_in_creation_order(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.step()
+    async def slow(i: int) -> int:
+        await asyncio.sleep(0.01 * (3 - i))
+        return i
+
+    @app.workflow()
+    async def wf() -> list[int]:
+        return list(await asyncio.gather(slow(0), slow(1), slow(2)))
+
+    run = app.run(wf)
+    steps = app.describe(run.run_id)["steps"]
+    assert {s["step_id"]: s["output"] for s in steps} == {"slow#1": 0, "slow#2": 1, "slow#3": 2}
+
+
+def test_start_is_idempotent_on_run_id(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.workflow()
+    async def wf(x: int) -> int:
+        return x
+
+    assert app.start(wf, 1, run_id="fixed") == "fixed"
+    assert app.start(wf, 1, run_id="fixed") == "fixed"
+    with pytest.raises(durably.IdempotencyConflict):
+        app.start(wf, 2, run_id="fixed")
+
+
+def test_bad_input_gets_typed_errors(make_app: MakeApp) -> None:
+    app = make_app(max_payload_bytes=100)
+
+    @app.step()
+    def s() -> int:
+        return 1
+
+    @app.workflow()
+    async def wf(x: object) -> None:
+        return None
+
+    with pytest.raises(durably.NotJSONSerializable):
+        app.start(wf, object())
+    with pytest.raises(durably.NotJSONSerializable):
+        app.start(wf, (1, 2))  # would replay as a list
+    with pytest.raises(durably.PayloadTooLarge):
+        app.start(wf, "x" * 200)
+    with pytest.raises(durably.OutsideRunError):
+        asyncio.run(s())  # type: ignore[arg-type]
+    with pytest.raises(durably.RunNotFound):
+        app.get_run("nope")
+    with pytest.raises(durably.ConfigurationError):
+        app.start("no_such_workflow")
+
+
+def test_corrupted_checkpoint_falls_back_and_is_reported(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """A checkpoint failing its checksum is skipped; the run resumes from the previous one."""
+    app = make_app()
+    gate_open = {"v": False}
+
+    @app.step()
+    def s(i: int) -> int:
+        return i
+
+    @app.tool()
+    def gate() -> None:
+        if not gate_open["v"]:
+            raise TimeoutError
+
+    @app.workflow()
+    async def wf() -> int:
+        total = await s(1) + await s(2)
+        await gate()
+        return total
+
+    run = app.run(wf)
+    execute_sql(
+        database_url,
+        "UPDATE durably_checkpoints SET payload_json = replace(payload_json, '\"status\"', "
+        "'\"stat\"') WHERE state_version = (SELECT max(state_version) FROM durably_checkpoints)",
+    )
+    gate_open["v"] = True
+    app.resolve_effect(run.run_id, "gate#1", "not_executed")
+    done = app.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED and done.result == 3
+    assert "checkpoint_corrupted" in events(app, run.run_id)
+
+
+def test_altered_journal_is_never_used(make_app: MakeApp, database_url: str) -> None:
+    """A recorded result changed behind durably's back pauses the run: no silent wrong state."""
+    app = make_app()
+    gate_open = {"v": False}
+
+    @app.step()
+    def price() -> int:
+        return 10
+
+    @app.tool()
+    def gate() -> None:
+        if not gate_open["v"]:
+            raise TimeoutError
+
+    @app.workflow()
+    async def wf() -> int:
+        p = await price()
+        await gate()
+        return p
+
+    run = app.run(wf)
+    execute_sql(
+        database_url, "UPDATE durably_steps SET output_json = '1000' WHERE step_id = 'price#1'"
+    )
+    gate_open["v"] = True
+    with pytest.raises(durably.CheckpointCorrupted):
+        app.resolve_effect(run.run_id, "gate#1", "not_executed")
+    again = app.resume(run.run_id)
+    assert again.status is RunStatus.PAUSED
+    assert again.status_reason == "checkpoint_corrupted"
+    assert again.error is not None and again.error["type"] == "CheckpointCorrupted"
+
+
+def test_worker_completes_queued_runs(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.step()
+    def double(x: int) -> int:
+        return 2 * x
+
+    @app.workflow()
+    async def wf(x: int) -> int:
+        return await double(x)
+
+    ids = [app.start(wf, i) for i in range(5)]
+    assert app.worker(concurrency=2).run(until_idle=True) == 5
+    assert [app.get_run(i).result for i in ids] == [0, 2, 4, 6, 8]
+
+
+def test_checkpoints_carry_every_field(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.tool(idempotent=True)
+    def t() -> int:
+        return 1
+
+    @app.workflow()
+    async def wf() -> int:
+        return await t()
+
+    run = app.run(wf)
+    stored = asyncio.run(app.store.checkpoints(run.run_id))
+    payloads = [s.payload for s in stored]
+    assert set(payloads[0]) == {
+        "checkpoint_id",
+        "run_id",
+        "state_version",
+        "current_step",
+        "status",
+        "state_snapshot",
+        "last_event_sequence",
+        "pending_action",
+        "completed_effects",
+        "budget_snapshot",
+        "created_at",
+        "schema_version",
+    }
+    assert payloads[0]["status"] == "completed"
+    assert payloads[0]["completed_effects"] == [
+        app.describe(run.run_id)["effects"][0]["idempotency_key"]
+    ]
+    intent = payloads[-1]
+    assert intent["pending_action"]["step_id"] == "t#1"
+    assert json.dumps(payloads)  # everything is JSON

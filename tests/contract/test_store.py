@@ -1,0 +1,253 @@
+"""The store contract: every backend must behave exactly like this."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+
+from durably.checkpoint import JournalState, from_stored
+from durably.errors import InvalidTransition, LeaseLostError, SchemaTooNew
+from durably.status import OperationStatus, RunStatus, StepStatus
+from durably.store import open_store
+from durably.store.base import (
+    EventWrite,
+    Expect,
+    NewRun,
+    OperationWrite,
+    RunUpdate,
+    StepWrite,
+    Store,
+    Transition,
+)
+
+T = TypeVar("T")
+
+
+def run(coro: Awaitable[T]) -> T:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def store(database_url: str) -> Store:
+    s = open_store(database_url)
+    run(s.migrate())
+    return s
+
+
+def new_run(run_id: str = "r1", workflow: str = "wf") -> NewRun:
+    return NewRun(run_id, "default", workflow, "1", {"args": [], "kwargs": {}}, "{}", "h")
+
+
+def op_write(key: str = "k1", **changes: object) -> OperationWrite:
+    base = {
+        "tenant": "default",
+        "idempotency_key": key,
+        "run_id": "r1",
+        "step_id": "t#1",
+        "plan_version": 1,
+        "tool": "t",
+        "tool_version": "1",
+        "input_hash": "ih",
+        "arguments_json": "{}",
+        "status": OperationStatus.INTENT_RECORDED,
+    }
+    base.update(changes)
+    return OperationWrite(**base)  # type: ignore[arg-type]
+
+
+def test_migrate_is_idempotent(store: Store) -> None:
+    """Applying migrations twice applies nothing the second time."""
+    assert run(store.migrate()) == []
+
+
+def test_create_run_is_idempotent_on_run_id(store: Store) -> None:
+    """A second create with the same id returns the stored run, not a new one."""
+    first, created = run(store.create_run(new_run()))
+    again, created_again = run(store.create_run(new_run()))
+    assert created and not created_again
+    assert again.run_id == first.run_id and again.status is RunStatus.QUEUED
+    events = run(store.events("r1"))
+    assert [e.type for e in events] == ["run_started"]
+
+
+def test_only_one_owner_claims_a_run(store: Store) -> None:
+    """A live lease excludes every other claimer; the epoch grows on each claim."""
+    run(store.create_run(new_run()))
+    first = run(store.claim_run("r1", "w1", 30))
+    assert first is not None and first.run.status is RunStatus.RUNNING
+    assert run(store.claim_run("r1", "w2", 30)) is None
+    assert run(store.claim_next("w2", 30, ["wf"])) is None
+
+
+def test_expired_lease_is_taken_over_and_old_owner_is_fenced(store: Store) -> None:
+    """After expiry another worker claims (recovered=True); the old owner's writes fail."""
+    run(store.create_run(new_run()))
+    old = run(store.claim_run("r1", "w1", 0.05))
+    assert old is not None
+    time.sleep(0.1)
+    new = run(store.claim_next("w2", 30, ["wf"]))
+    assert new is not None and new.recovered and new.lease.epoch == old.lease.epoch + 1
+    with pytest.raises(LeaseLostError):
+        run(store.commit(old.lease, Transition(events=[EventWrite("late")])))
+    with pytest.raises(LeaseLostError):
+        run(store.heartbeat(old.lease))
+    assert "late" not in [e.type for e in run(store.events("r1"))]
+    assert "run_recovered" in [e.type for e in run(store.events("r1"))]
+
+
+def test_commit_assigns_gap_free_sequences(store: Store) -> None:
+    """Events get consecutive sequences per run, across commits."""
+    run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    run(store.commit(claim.lease, Transition(events=[EventWrite("a"), EventWrite("b")])))
+    run(store.commit(claim.lease, Transition(events=[EventWrite("c")])))
+    assert [e.sequence for e in run(store.events("r1"))] == [1, 2, 3, 4]
+
+
+def test_commit_is_atomic(store: Store) -> None:
+    """A failed operation precondition rolls back the events, step and checkpoint with it."""
+    run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    run(store.commit(claim.lease, Transition(events=[EventWrite("intent")], operation=op_write())))
+    before = run(store.load_journal("r1"))
+    assert before is not None
+    bad = Transition(
+        events=[EventWrite("should_vanish")],
+        step=StepWrite("t#1", 1, "tool", "t", StepStatus.SUCCEEDED, "ih", output_json="1"),
+        operation=op_write(status=OperationStatus.SUCCEEDED, expect_row_version=99),
+        checkpoint=JournalState("r1").draft(status="running", current_step="t#1"),
+    )
+    with pytest.raises(InvalidTransition):
+        run(store.commit(claim.lease, bad))
+    after = run(store.load_journal("r1"))
+    assert after is not None
+    assert after.steps == before.steps == []
+    assert after.operations == before.operations
+    assert after.checkpoints == before.checkpoints
+    assert after.run.last_sequence == before.run.last_sequence
+    assert "should_vanish" not in [e.type for e in run(store.events("r1"))]
+
+
+def test_operation_key_is_unique(store: Store) -> None:
+    """Inserting a second operation with the same (tenant, key) is refused."""
+    run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    run(store.commit(claim.lease, Transition(events=[], operation=op_write())))
+    with pytest.raises(InvalidTransition):
+        run(store.commit(claim.lease, Transition(events=[], operation=op_write())))
+
+
+def test_operation_update_is_conditional_on_row_version(store: Store) -> None:
+    """Two writers holding the same row version: only the first update applies."""
+    run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    done = run(store.commit(claim.lease, Transition(events=[], operation=op_write())))
+    assert done.operation_row_version == 1
+    claim_op = op_write(status=OperationStatus.EXECUTING, expect_row_version=1, hold_lease=True)
+    second = run(store.commit(claim.lease, Transition(events=[], operation=claim_op)))
+    assert second.operation_row_version == 2
+    with pytest.raises(InvalidTransition):
+        run(store.commit(claim.lease, Transition(events=[], operation=claim_op)))
+    journal = run(store.load_journal("r1"))
+    assert journal is not None
+    (op,) = journal.operations
+    assert op.status is OperationStatus.EXECUTING and op.lease_owner == "w1"
+
+
+def test_checkpoint_is_sealed_with_sequence_and_checksum(store: Store) -> None:
+    """The stored checkpoint carries the commit's last sequence and a valid checksum."""
+    run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    state = JournalState("r1")
+    state.settle("s#1", '{"a":1}')
+    committed = run(
+        store.commit(
+            claim.lease,
+            Transition(
+                events=[EventWrite("step_succeeded", "s#1")],
+                step=StepWrite(
+                    "s#1",
+                    1,
+                    "step",
+                    "s",
+                    StepStatus.SUCCEEDED,
+                    "ih",
+                    output_json='{"a":1}',
+                    settle=True,
+                ),
+                checkpoint=state.draft(status="running", current_step="s#1"),
+            ),
+        )
+    )
+    (stored,) = run(store.checkpoints("r1"))
+    cp = from_stored(stored.payload, stored.checksum)
+    assert cp.last_event_sequence == committed.last_sequence
+    assert cp.state_version == committed.state_version
+    assert cp.journal_length == 1 and cp.current_step == "s#1"
+    journal = run(store.load_journal("r1"))
+    assert journal is not None
+    assert journal.steps[0].settled_sequence == committed.last_sequence
+
+
+def test_operator_guard_requires_unchanged_unleased_run(store: Store) -> None:
+    """An Expect guard fails while a worker holds the run or after the run changed."""
+    record, _ = run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    with pytest.raises(InvalidTransition):
+        run(store.commit(Expect("r1", record.state_version), Transition(events=[])))
+    run(
+        store.commit(
+            claim.lease, Transition(events=[], run=RunUpdate(RunStatus.PAUSED), release=True)
+        )
+    )
+    current = run(store.get_run("r1"))
+    assert current is not None and current.lease_owner is None
+    run(
+        store.commit(
+            Expect("r1", current.state_version),
+            Transition(events=[EventWrite("resolved")], run=RunUpdate(RunStatus.QUEUED)),
+        )
+    )
+    with pytest.raises(InvalidTransition):
+        run(store.commit(Expect("r1", current.state_version), Transition(events=[])))
+
+
+def test_paused_and_waiting_runs_are_not_claimed(store: Store) -> None:
+    """Only queued, running and reconciling runs are runnable."""
+    run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    run(
+        store.commit(
+            claim.lease, Transition(events=[], run=RunUpdate(RunStatus.PAUSED), release=True)
+        )
+    )
+    assert run(store.claim_next("w2", 30, ["wf"])) is None
+    assert run(store.next_wakeup(["wf"])) is None
+
+
+def test_list_runs_filters(store: Store) -> None:
+    run(store.create_run(new_run("a", "wf")))
+    run(store.create_run(new_run("b", "other")))
+    assert {r.run_id for r in run(store.list_runs())} == {"a", "b"}
+    assert [r.run_id for r in run(store.list_runs(workflow="other"))] == ["b"]
+    assert run(store.list_runs(status=RunStatus.COMPLETED)) == []
+
+
+def test_newer_schema_is_refused(
+    store: Store, database_url: str, bump_schema: Callable[[str], None]
+) -> None:
+    """A database migrated by newer code is refused with SchemaTooNew, and left untouched."""
+    bump_schema(database_url)
+    with pytest.raises(SchemaTooNew):
+        run(open_store(database_url).migrate())
