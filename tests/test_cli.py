@@ -1,0 +1,351 @@
+"""The ``durably`` command line against a real SQLite file and a real app module."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from durably.cli import cli
+
+APP_MODULE = "clitestapp"
+
+APP_SOURCE = textwrap.dedent(
+    """
+    import pathlib
+
+    import durably
+
+    app = durably.App("sqlite:///" + str(pathlib.Path(__file__).with_name("app.db")))
+
+
+    @app.step()
+    def add(a: int, b: int) -> int:
+        return a + b
+
+
+    @app.tool(idempotent=True)
+    def notify(to: str, total: int) -> dict:
+        return {"to": to, "total": total, "key": durably.idempotency_key()}
+
+
+    @app.tool()
+    def charge(amount: int) -> dict:
+        # Neither idempotent nor reconcilable: an unknown outcome must go to a person.
+        raise TimeoutError("gateway timed out")
+
+
+    @app.workflow()
+    async def summing(a: int, b: int = 0) -> dict:
+        total = await add(a, b)
+        mail = await notify(to="lead@example.com", total=total)
+        return {"total": total, "mail": mail}
+
+
+    @app.workflow()
+    async def billing(amount: int) -> dict:
+        return {"charge": await charge(amount), "amount": amount}
+
+
+    not_an_app = 42
+    """
+)
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory holding the test app module, as the current directory."""
+    (tmp_path / f"{APP_MODULE}.py").write_text(APP_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    # The CLI puts the cwd on sys.path; give it a copy so the change ends with the test.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("DURABLY_APP", "DURABLY_DATABASE_URL", "DURABLY_LEASE_TTL"):
+        monkeypatch.delenv(name, raising=False)
+    sys.modules.pop(APP_MODULE, None)
+    yield tmp_path
+    sys.modules.pop(APP_MODULE, None)
+
+
+def durably(*args: str, app: str | None = f"{APP_MODULE}:app") -> Result:
+    argv = (["--app", app] if app else []) + list(args)
+    return CliRunner().invoke(cli, argv, prog_name="durably")
+
+
+def ok(*args: str, app: str | None = f"{APP_MODULE}:app") -> str:
+    result = durably(*args, app=app)
+    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
+    return result.stdout
+
+
+def ok_json(*args: str) -> Any:
+    return json.loads(ok(*args, "--json"))
+
+
+def test_start_prints_the_run_id_and_is_idempotent_on_run_id(project: Path) -> None:
+    run_id = ok("start", "summing", "--input", '{"a": 1, "b": 2}').strip()
+    assert run_id.startswith("run_")
+    assert ok("start", "summing", "--input", "[5]", "--run-id", "r-1") == "r-1\n"
+    assert ok("start", "summing", "--input", "[5]", "--run-id", "r-1") == "r-1\n"
+
+    runs = {r["run_id"]: r for r in ok_json("runs", "list")}
+    assert set(runs) == {run_id, "r-1"}
+    assert {r["status"] for r in runs.values()} == {"queued"}
+    assert runs["r-1"]["workflow"] == "summing"
+    assert runs["r-1"]["tenant"] == "default"
+
+
+def test_start_with_another_input_on_the_same_run_id_is_a_clear_error(project: Path) -> None:
+    ok("start", "summing", "--input", "[5]", "--run-id", "r-1")
+    result = durably("start", "summing", "--input", "[6]", "--run-id", "r-1")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: run r-1 already exists")
+    assert result.stdout == ""
+    assert "Traceback" not in result.output
+
+
+def test_start_rejects_bad_json_and_unknown_workflows(project: Path) -> None:
+    bad_json = durably("start", "summing", "--input", "{a: 1}")
+    assert bad_json.exit_code == 2
+    assert "not valid JSON" in bad_json.stderr
+    unknown = durably("start", "nope")
+    assert unknown.exit_code == 1
+    assert "error: no workflow named 'nope'" in unknown.stderr
+
+
+def test_worker_until_idle_completes_queued_runs(project: Path) -> None:
+    kwargs_run = ok("start", "summing", "--input", '{"a": 1, "b": 2}').strip()
+    args_run = ok("start", "summing", "--input", "[40, 2]").strip()
+    scalar_run = ok("start", "summing", "--input", "7").strip()
+
+    result = durably("worker", "--until-idle", "--concurrency", "2", "--lease-ttl", "5")
+    assert result.exit_code == 0, result.stderr
+    assert "executed 3 run(s)" in result.stderr
+    assert result.stdout == ""
+
+    runs = {r["run_id"]: r for r in ok_json("runs", "list", "--status", "completed")}
+    assert runs[kwargs_run]["result"]["total"] == 3
+    assert runs[args_run]["result"]["total"] == 42
+    assert runs[scalar_run]["result"]["total"] == 7
+    assert ok_json("runs", "list", "--status", "queued") == []
+
+    idle = durably("worker", "--until-idle")
+    assert idle.exit_code == 0
+    assert "executed 0 run(s)" in idle.stderr
+
+
+def test_runs_list_filters_and_renders_a_table(project: Path) -> None:
+    ok("start", "summing", "--input", "[1]", "--run-id", "s-1")
+    ok("start", "billing", "--input", "[9]", "--run-id", "b-1")
+    assert [r["run_id"] for r in ok_json("runs", "list", "--workflow", "billing")] == ["b-1"]
+    assert len(ok_json("runs", "list", "--limit", "1")) == 1
+
+    table = ok("runs", "list")
+    assert table.splitlines()[0].split() == ["RUN", "ID", "WORKFLOW", "STATUS", "REASON", "UPDATED"]
+    assert any(line.split()[:3] == ["b-1", "billing", "queued"] for line in table.splitlines())
+    assert ok("runs", "list", "--status", "failed") == "no runs\n"
+
+
+def test_runs_show_json_is_the_run_document(project: Path) -> None:
+    ok("start", "summing", "--input", '{"a": 2, "b": 3}', "--run-id", "s-1")
+    ok("worker", "--until-idle")
+
+    doc = ok_json("runs", "show", "s-1")
+    assert doc["run_id"] == "s-1"
+    assert doc["workflow"] == "summing"
+    assert doc["status"] == "completed"
+    assert doc["error"] is None
+    assert doc["result"]["total"] == 5
+    assert [(s["step_id"], s["status"]) for s in doc["steps"]] == [
+        ("add#1", "succeeded"),
+        ("notify#1", "succeeded"),
+    ]
+    [effect] = doc["effects"]
+    assert effect["step_id"] == "notify#1"
+    assert effect["tool"] == "notify"
+    assert effect["status"] == "succeeded"
+    assert len(effect["idempotency_key"]) == 64
+    # The key the tool saw is the key the ledger recorded.
+    assert doc["result"]["mail"]["key"] == effect["idempotency_key"]
+    assert doc["approvals"] == []
+
+    text = ok("runs", "show", "s-1")
+    assert "s-1" in text
+    assert "completed" in text
+    assert "add#1" in text
+    assert effect["idempotency_key"][:12] in text
+    assert effect["idempotency_key"] not in text
+
+
+def test_unknown_effect_is_resolved_then_resumed_to_completion(project: Path) -> None:
+    ok("start", "billing", "--input", '{"amount": 30}', "--run-id", "b-1")
+    ok("worker", "--until-idle")
+
+    paused = ok_json("runs", "show", "b-1")
+    assert paused["status"] == "paused"
+    assert paused["status_reason"] == "effect_state_unknown"
+    assert [(e["step_id"], e["status"]) for e in paused["effects"]] == [("charge#1", "unknown")]
+    text = ok("runs", "show", "b-1")
+    assert "paused (effect_state_unknown)" in text
+    assert "charge#1" in text
+    assert "unknown" in text
+
+    resolved = ok_json(
+        "resolve", "b-1", "charge#1", "--succeeded", "--result", '{"charge_id": "ch_1"}',
+        "--by", "alice",
+    )
+    assert resolved["status"] == "queued"
+
+    resumed = ok_json("resume", "b-1")
+    assert resumed["status"] == "completed"
+    assert resumed["result"] == {"charge": {"charge_id": "ch_1"}, "amount": 30}
+
+    doc = ok_json("runs", "show", "b-1")
+    assert doc["status"] == "completed"
+    assert [(e["step_id"], e["status"]) for e in doc["effects"]] == [("charge#1", "succeeded")]
+
+    again = durably("resume", "b-1")
+    assert again.exit_code == 1
+    assert again.stderr.startswith("error: run b-1 is completed")
+
+
+def test_resolve_not_executed_and_failed_in_text_mode(project: Path) -> None:
+    ok("start", "billing", "--input", "[1]", "--run-id", "b-1")
+    ok("start", "billing", "--input", "[2]", "--run-id", "b-2")
+    ok("worker", "--until-idle")
+
+    assert ok("resolve", "b-1", "charge#1", "--not-executed").startswith("b-1: queued")
+    # Not executed means sent again with the same key; this tool times out again.
+    assert ok("resume", "b-1").startswith("b-1: paused (effect_state_unknown)")
+
+    assert ok("resolve", "b-2", "charge#1", "--failed").startswith("b-2: queued")
+    failed = ok("resume", "b-2")
+    assert failed.startswith("b-2: failed")
+    assert "error:" in failed
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--succeeded", "--failed"],
+        ["--succeeded", "--not-executed", "--failed"],
+        ["--not-executed", "--result", "{}"],
+    ],
+)
+def test_resolve_requires_exactly_one_outcome(project: Path, flags: list[str]) -> None:
+    ok("start", "billing", "--input", "[1]", "--run-id", "b-1")
+    ok("worker", "--until-idle")
+    result = durably("resolve", "b-1", "charge#1", *flags)
+    assert result.exit_code == 2
+    assert "--succeeded" in result.stderr
+    assert ok_json("runs", "show", "b-1")["status"] == "paused"
+
+
+def test_resolve_of_a_settled_effect_is_a_durably_error(project: Path) -> None:
+    ok("start", "summing", "--input", "[1]", "--run-id", "s-1")
+    ok("worker", "--until-idle")
+    result = durably("resolve", "s-1", "notify#1", "--succeeded")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: run s-1 is completed")
+
+
+def test_runs_show_of_a_missing_run(project: Path) -> None:
+    result = durably("runs", "show", "nope", "--json")
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: no run 'nope'")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("missing_module:app", "cannot import module 'missing_module'"),
+        (f"{APP_MODULE}:nope", "not a durably.App instance"),
+        (f"{APP_MODULE}:not_an_app", "is a int, not a durably.App"),
+        (APP_MODULE, "must look like module:attr"),
+    ],
+)
+def test_bad_app_is_a_clear_error(project: Path, spec: str, message: str) -> None:
+    result = durably("runs", "list", app=spec)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_missing_app_is_a_clear_error(project: Path) -> None:
+    result = durably("start", "summing", app=None)
+    assert result.exit_code == 2
+    assert "--app" in result.stderr
+
+
+def test_app_from_the_environment(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DURABLY_APP", f"{APP_MODULE}:app")
+    assert ok("start", "summing", "--input", "[1]", "--run-id", "s-1", app=None) == "s-1\n"
+
+
+def test_db_overrides_the_apps_database(project: Path) -> None:
+    other = f"sqlite:///{project / 'other.db'}"
+    ok("--db", other, "start", "summing", "--input", "[1]", "--run-id", "s-1", app=None)
+    assert [r["run_id"] for r in ok_json("--db", other, "runs", "list")] == ["s-1"]
+    assert ok_json("runs", "list") == []
+    assert (project / "other.db").exists()
+
+
+def test_migrate_with_only_db(project: Path) -> None:
+    url = f"sqlite:///{project / 'fresh.db'}"
+    first = ok("--db", url, "migrate", app=None)
+    assert "applied migration(s) 1" in first
+    assert (project / "fresh.db").exists()
+    assert "nothing to apply" in ok("--db", url, "migrate", app=None)
+    # The migrated database is usable by an app.
+    assert ok_json("--db", url, "runs", "list") == []
+
+
+def test_every_command_has_help(project: Path) -> None:
+    for command in [[], ["start"], ["worker"], ["runs", "list"], ["runs", "show"], ["resolve"],
+                    ["resume"], ["migrate"], ["demo"]]:
+        result = durably(*command, "--help", app=None)
+        assert result.exit_code == 0, command
+        assert "Usage: durably" in result.stdout
+
+
+def test_console_entry_points_in_a_subprocess(project: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DURABLY_")}
+    script = Path(sys.executable).with_name("durably")
+    # The console script must find ./clitestapp.py although its sys.path lacks the cwd.
+    started = subprocess.run(
+        [str(script), "--app", f"{APP_MODULE}:app", "start", "summing", "--input", "[4]"],
+        capture_output=True, text=True, cwd=project, env=env, check=False,
+    )
+    assert started.returncode == 0, started.stderr
+    run_id = started.stdout.strip()
+
+    worker = subprocess.run(
+        [sys.executable, "-m", "durably", "--app", f"{APP_MODULE}:app", "worker", "--until-idle"],
+        capture_output=True, text=True, cwd=project, env={**env, "DURABLY_LEASE_TTL": "5"},
+        check=False,
+    )
+    assert worker.returncode == 0, worker.stderr
+    assert "executed 1 run(s)" in worker.stderr
+
+    shown = subprocess.run(
+        [str(script), "--app", f"{APP_MODULE}:app", "runs", "show", run_id, "--json"],
+        capture_output=True, text=True, cwd=project, env=env, check=False,
+    )
+    assert json.loads(shown.stdout)["result"]["total"] == 4
+
+    bad = subprocess.run(
+        [str(script), "--app", "no_such_module:app", "runs", "list"],
+        capture_output=True, text=True, cwd=project, env=env, check=False,
+    )
+    assert bad.returncode != 0
+    assert "cannot import module 'no_such_module'" in bad.stderr
+    assert "Traceback" not in bad.stderr

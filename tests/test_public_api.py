@@ -1,0 +1,20 @@
+"""The public API is exactly what durably/__init__.py exports."""
+
+from __future__ import annotations
+
+import durably
+
+
+def test_all_is_sorted_and_complete() -> None:
+    assert durably.__all__ == sorted(durably.__all__)
+    public = {n for n in dir(durably) if not n.startswith("_")}
+    modules = {n for n in public if type(getattr(durably, n)).__name__ == "module"}
+    # `annotations` is the __future__ import, not API.
+    assert public - modules - {"annotations"} == set(durably.__all__)
+
+
+def test_every_error_is_a_durably_error() -> None:
+    for name in durably.__all__:
+        obj = getattr(durably, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, durably.DurablyError), name
