@@ -101,10 +101,14 @@ def _story(shop: ShopService, env: dict[str, str], workdir: Path, say: Say) -> N
     )
 
     held = _held(shop.effects())
-    ledger = _effect_statuses(_durably(["runs", "show", run_id, "--json"], env))
+    shown = json.loads(_durably(["runs", "show", run_id, "--json"], env).stdout)
+    ledger = {e["tool"]: e["status"] for e in shown["effects"]}
     say("4. The state at that moment:")
-    say(f"   shop:   {held['order']} order, {held['coupon']} coupon, {held['email']} email")
-    say("   ledger: " + ", ".join(f"{tool} {status}" for tool, status in ledger.items()))
+    say("   shop:   " + ", ".join(_count(n, label) for label, n in held.items()))
+    say(
+        f"   ledger: run {shown['status']}; "
+        + ", ".join(f"{tool} {status}" for tool, status in ledger.items())
+    )
     if held["coupon"] != 1 or ledger.get("issue_coupon") != "executing":
         raise DemoFailed(
             "the worker did not die where intended (expected the coupon issued at the shop "
@@ -170,8 +174,8 @@ def _held(report: dict[str, Any]) -> dict[str, int]:
     return {label: len(report[table]) for label, table, _path, _tool in EFFECTS}
 
 
-def _effect_statuses(shown: subprocess.CompletedProcess[str]) -> dict[str, str]:
-    return {e["tool"]: e["status"] for e in json.loads(shown.stdout)["effects"]}
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _child_env(workdir: Path, shop_url: str) -> dict[str, str]:
