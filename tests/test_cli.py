@@ -180,8 +180,15 @@ def test_runs_show_json_is_the_run_document(project: Path) -> None:
     assert "s-1" in text
     assert "completed" in text
     assert "add#1" in text
-    assert effect["idempotency_key"][:12] in text
-    assert effect["idempotency_key"] not in text
+    effect_rows = [line.split() for line in text.split("effects:")[1].splitlines() if line]
+    assert effect_rows[0] == ["STEP", "TOOL", "STATUS", "KEY", "EXTERNAL", "ID"]
+    assert effect_rows[1] == [
+        "notify#1",
+        "notify",
+        "succeeded",
+        effect["idempotency_key"][:12],
+        "-",
+    ]
 
 
 def test_unknown_effect_is_resolved_then_resumed_to_completion(project: Path) -> None:
@@ -198,8 +205,14 @@ def test_unknown_effect_is_resolved_then_resumed_to_completion(project: Path) ->
     assert "unknown" in text
 
     resolved = ok_json(
-        "resolve", "b-1", "charge#1", "--succeeded", "--result", '{"charge_id": "ch_1"}',
-        "--by", "alice",
+        "resolve",
+        "b-1",
+        "charge#1",
+        "--succeeded",
+        "--result",
+        '{"charge_id": "ch_1"}',
+        "--by",
+        "alice",
     )
     assert resolved["status"] == "queued"
 
@@ -293,10 +306,12 @@ def test_app_from_the_environment(project: Path, monkeypatch: pytest.MonkeyPatch
 
 def test_db_overrides_the_apps_database(project: Path) -> None:
     other = f"sqlite:///{project / 'other.db'}"
-    ok("--db", other, "start", "summing", "--input", "[1]", "--run-id", "s-1", app=None)
+    ok("--db", other, "start", "summing", "--input", "[1]", "--run-id", "s-1")
     assert [r["run_id"] for r in ok_json("--db", other, "runs", "list")] == ["s-1"]
-    assert ok_json("runs", "list") == []
     assert (project / "other.db").exists()
+    # --db sets the imported app's URL; a fresh process (here: a fresh import) has its own.
+    sys.modules.pop(APP_MODULE)
+    assert ok_json("runs", "list") == []
 
 
 def test_migrate_with_only_db(project: Path) -> None:
@@ -310,8 +325,17 @@ def test_migrate_with_only_db(project: Path) -> None:
 
 
 def test_every_command_has_help(project: Path) -> None:
-    for command in [[], ["start"], ["worker"], ["runs", "list"], ["runs", "show"], ["resolve"],
-                    ["resume"], ["migrate"], ["demo"]]:
+    for command in [
+        [],
+        ["start"],
+        ["worker"],
+        ["runs", "list"],
+        ["runs", "show"],
+        ["resolve"],
+        ["resume"],
+        ["migrate"],
+        ["demo"],
+    ]:
         result = durably(*command, "--help", app=None)
         assert result.exit_code == 0, command
         assert "Usage: durably" in result.stdout
@@ -323,14 +347,21 @@ def test_console_entry_points_in_a_subprocess(project: Path) -> None:
     # The console script must find ./clitestapp.py although its sys.path lacks the cwd.
     started = subprocess.run(
         [str(script), "--app", f"{APP_MODULE}:app", "start", "summing", "--input", "[4]"],
-        capture_output=True, text=True, cwd=project, env=env, check=False,
+        capture_output=True,
+        text=True,
+        cwd=project,
+        env=env,
+        check=False,
     )
     assert started.returncode == 0, started.stderr
     run_id = started.stdout.strip()
 
     worker = subprocess.run(
         [sys.executable, "-m", "durably", "--app", f"{APP_MODULE}:app", "worker", "--until-idle"],
-        capture_output=True, text=True, cwd=project, env={**env, "DURABLY_LEASE_TTL": "5"},
+        capture_output=True,
+        text=True,
+        cwd=project,
+        env={**env, "DURABLY_LEASE_TTL": "5"},
         check=False,
     )
     assert worker.returncode == 0, worker.stderr
@@ -338,13 +369,21 @@ def test_console_entry_points_in_a_subprocess(project: Path) -> None:
 
     shown = subprocess.run(
         [str(script), "--app", f"{APP_MODULE}:app", "runs", "show", run_id, "--json"],
-        capture_output=True, text=True, cwd=project, env=env, check=False,
+        capture_output=True,
+        text=True,
+        cwd=project,
+        env=env,
+        check=False,
     )
     assert json.loads(shown.stdout)["result"]["total"] == 4
 
     bad = subprocess.run(
         [str(script), "--app", "no_such_module:app", "runs", "list"],
-        capture_output=True, text=True, cwd=project, env=env, check=False,
+        capture_output=True,
+        text=True,
+        cwd=project,
+        env=env,
+        check=False,
     )
     assert bad.returncode != 0
     assert "cannot import module 'no_such_module'" in bad.stderr

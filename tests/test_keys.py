@@ -12,7 +12,10 @@ from durably.errors import NotJSONSerializable, PayloadTooLarge
 from durably.keys import canonical_json, idempotency_key, input_hash, sha256_hex
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(),
     lambda children: st.lists(children) | st.dictionaries(st.text(), children),
     max_leaves=20,

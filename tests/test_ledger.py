@@ -25,8 +25,15 @@ views = st.builds(
 
 
 def decide_for(op: OperationView | None, can_reconcile: bool, max_attempts: int = 3) -> Action:
-    return decide(op, input_hash="h", owner=ME, epoch=MY_EPOCH, now=NOW,
-                  max_attempts=max_attempts, can_reconcile=can_reconcile)
+    return decide(
+        op,
+        input_hash="h",
+        owner=ME,
+        epoch=MY_EPOCH,
+        now=NOW,
+        max_attempts=max_attempts,
+        can_reconcile=can_reconcile,
+    )
 
 
 def test_no_record_prepares_first() -> None:
@@ -42,8 +49,10 @@ def test_other_input_is_always_a_conflict(op: OperationView, can_reconcile: bool
 @given(views, st.booleans())
 def test_recorded_success_is_returned_never_executed(op: OperationView, rec: bool) -> None:
     action = decide_for(op, rec)
-    if op.input_hash == "h" and op.status in (OperationStatus.SUCCEEDED,
-                                              OperationStatus.COMPENSATED):
+    if op.input_hash == "h" and op.status in (
+        OperationStatus.SUCCEEDED,
+        OperationStatus.COMPENSATED,
+    ):
         assert action is Action.RETURN
     if action is Action.RETURN:
         assert op.status in (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED)
@@ -61,7 +70,8 @@ def test_execution_only_under_this_executions_claim(op: OperationView, rec: bool
 def test_uncertain_outcomes_are_never_retried_blindly(op: OperationView, rec: bool) -> None:
     """Unknown, reconciling or another holder's execution never leads to a new execution."""
     uncertain = op.status in (OperationStatus.UNKNOWN, OperationStatus.RECONCILING) or (
-        op.status is OperationStatus.EXECUTING and (op.lease_owner, op.lease_epoch) != (ME, MY_EPOCH)
+        op.status is OperationStatus.EXECUTING
+        and (op.lease_owner, op.lease_epoch) != (ME, MY_EPOCH)
     )
     if op.input_hash == "h" and uncertain:
         assert decide_for(op, rec) in (Action.RECONCILE, Action.PAUSE, Action.WAIT)
@@ -84,9 +94,12 @@ def test_retries_only_where_safe_and_bounded(op: OperationView, rec: bool, limit
         assert op.status is OperationStatus.FAILED
         assert op.attempt < limit
         assert op.failure_category in (
-            FailureCategory.TRANSIENT_BEFORE_SEND, FailureCategory.RATE_LIMIT,
-        ) or (op.failure_category is FailureCategory.TRANSIENT_AFTER_SEND
-              and op.confirmed_not_executed)
+            FailureCategory.TRANSIENT_BEFORE_SEND,
+            FailureCategory.RATE_LIMIT,
+        ) or (
+            op.failure_category is FailureCategory.TRANSIENT_AFTER_SEND
+            and op.confirmed_not_executed
+        )
 
 
 @given(views, st.booleans())
@@ -95,8 +108,10 @@ def test_permission_and_business_failures_are_never_retried(op: OperationView, r
         action = decide_for(op, rec)
         if op.failure_category is FailureCategory.PERMISSION:
             assert action is Action.PAUSE
-        if op.failure_category in (FailureCategory.BUSINESS_REJECTED,
-                                   FailureCategory.PERMANENT_INPUT):
+        if op.failure_category in (
+            FailureCategory.BUSINESS_REJECTED,
+            FailureCategory.PERMANENT_INPUT,
+        ):
             assert action is Action.RAISE
 
 

@@ -7,9 +7,7 @@ import functools
 import inspect
 import os
 import secrets
-import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,6 +46,7 @@ from durably.store.base import (
     Store,
     Transition,
 )
+from durably.worker import Worker, worker_id
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -493,7 +492,7 @@ class App:
                             "idempotency_key": op.idempotency_key,
                             "output_hash": sha256_hex(result_json) if result_json else None,
                         },
-                    )
+                    ),
                 ],
                 step=StepWrite(
                     step_id,
@@ -626,7 +625,6 @@ class App:
 
     def worker(self, *, concurrency: int = 1, lease_ttl: timedelta | None = None) -> Any:
         """A worker that claims and executes this app's runnable runs."""
-        from durably.worker import Worker
 
         return Worker(self, concurrency=concurrency, lease_ttl=lease_ttl or self.lease_ttl)
 
@@ -634,10 +632,6 @@ class App:
 def new_run_id() -> str:
     """Time-ordered, unique run ids: ``run_<ms hex><random hex>``."""
     return f"run_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
-
-
-def worker_id(kind: str) -> str:
-    return f"{kind}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def _sync(coro: Coroutine[Any, Any, R]) -> R:

@@ -313,7 +313,7 @@ def show_run(config: _Config, run_id: str, as_json: bool) -> None:
 @click.option(
     "--by",
     default=lambda: os.environ.get("USER") or "operator",
-    show_default="$USER",
+    show_default="$USER, else operator",
     help="Who resolved it (recorded in the run's history).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")

@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 import time
+import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -22,6 +25,11 @@ if TYPE_CHECKING:
     from durably.app import App
 
 log = logging.getLogger("durably.worker")
+
+
+def worker_id(kind: str) -> str:
+    """A lease owner name unique to this process and object: ``kind:host:pid:random``."""
+    return f"{kind}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class Worker:
@@ -35,8 +43,6 @@ class Worker:
         lease_ttl: timedelta = timedelta(seconds=30),
         poll_interval: timedelta = timedelta(milliseconds=500),
     ) -> None:
-        from durably.app import worker_id
-
         self.app = app
         self.concurrency = concurrency
         self.lease_ttl_s = lease_ttl.total_seconds()

@@ -83,7 +83,8 @@ def test_idempotency_key_is_stable_and_bound_to_position(make_app: MakeApp) -> N
         return [await send("a"), await send("b")]
 
     run = app.run(wf)
-    assert run.status is RunStatus.COMPLETED and run.result == ["a", "b"]
+    assert run.status is RunStatus.COMPLETED
+    assert run.result == ["a", "b"]
     assert keys[0] == keys[1] != keys[2]
     effects = app.describe(run.run_id)["effects"]
     assert [e["idempotency_key"] for e in effects] == [keys[1], keys[2]]
@@ -119,7 +120,8 @@ def test_same_key_with_other_input_is_a_conflict(make_app: MakeApp) -> None:
     again = app.resume(first.run_id)
     assert again.status is RunStatus.PAUSED
     assert again.status_reason == "idempotency_conflict"
-    assert again.error is not None and again.error["type"] == "IdempotencyConflict"
+    assert again.error is not None
+    assert again.error["type"] == "IdempotencyConflict"
     conflicts = app.metrics.idempotency_conflict.labels(tool="charge")._value.get()
     assert conflicts == 1
 
@@ -152,7 +154,8 @@ def test_changed_workflow_code_is_detected(make_app: MakeApp) -> None:
     flip["v"] = True
     app.resolve_effect(run.run_id, "gate#1", "not_executed")
     again = app.resume(run.run_id)
-    assert again.status is RunStatus.PAUSED and again.status_reason == "non_determinism"
+    assert again.status is RunStatus.PAUSED
+    assert again.status_reason == "non_determinism"
 
 
 def test_failure_categories_decide_retries(make_app: MakeApp) -> None:
@@ -207,7 +210,8 @@ def test_exhausted_retries_fail_the_run(make_app: MakeApp) -> None:
 
     run = app.run(wf)
     assert run.status is RunStatus.FAILED
-    assert run.error is not None and run.error["type"] == "StepFailed"
+    assert run.error is not None
+    assert run.error["type"] == "StepFailed"
     assert calls["down"] == 3
 
 
@@ -235,10 +239,12 @@ def test_unknown_outcome_is_reconciled_not_retried(make_app: MakeApp) -> None:
         return await issue("c1")
 
     run = app.run(wf)
-    assert run.status is RunStatus.COMPLETED and run.result == {"coupon": "c1"}
+    assert run.status is RunStatus.COMPLETED
+    assert run.result == {"coupon": "c1"}
     assert shop == ["c1"]
     effect = app.describe(run.run_id)["effects"][0]
-    assert effect["status"] == "succeeded" and effect["external_operation_id"] == "c1"
+    assert effect["status"] == "succeeded"
+    assert effect["external_operation_id"] == "c1"
     assert "effect_unknown" in events(app, run.run_id)
     assert "effect_reconciled" in events(app, run.run_id)
     assert app.metrics.reconciliation.labels(result="succeeded")._value.get() == 1
@@ -261,7 +267,8 @@ def test_reconcile_not_executed_runs_again_with_same_key(make_app: MakeApp) -> N
 
     run = app.run(wf)
     assert run.status is RunStatus.COMPLETED
-    assert len(keys) == 2 and keys[0] == keys[1]
+    assert len(keys) == 2
+    assert keys[0] == keys[1]
 
 
 def test_unresolved_effect_pauses_until_resolved(make_app: MakeApp) -> None:
@@ -279,15 +286,18 @@ def test_unresolved_effect_pauses_until_resolved(make_app: MakeApp) -> None:
         return await send("lead@example.com")
 
     run = app.run(wf)
-    assert run.status is RunStatus.PAUSED and run.status_reason == "effect_state_unknown"
-    assert run.waiting_for is not None and run.waiting_for["step_id"] == "send#1"
+    assert run.status is RunStatus.PAUSED
+    assert run.status_reason == "effect_state_unknown"
+    assert run.waiting_for is not None
+    assert run.waiting_for["step_id"] == "send#1"
     assert app.describe(run.run_id)["effects"][0]["status"] == "unknown"
     assert app.resume(run.run_id).status is RunStatus.PAUSED  # still unknown: no guess
     assert sent == ["lead@example.com"]
     resolved = app.resolve_effect(run.run_id, "send#1", "succeeded", result={"id": "m1"})
     assert resolved.status is RunStatus.QUEUED
     done = app.resume(run.run_id)
-    assert done.status is RunStatus.COMPLETED and done.result == {"id": "m1"}
+    assert done.status is RunStatus.COMPLETED
+    assert done.result == {"id": "m1"}
     assert sent == ["lead@example.com"]
     with pytest.raises(durably.InvalidTransition):
         app.resolve_effect(run.run_id, "send#1", "failed")
@@ -329,9 +339,11 @@ def test_non_json_tool_result_is_recorded_as_happened(make_app: MakeApp) -> None
 
     run = app.run(wf)
     assert run.status is RunStatus.FAILED
-    assert run.error is not None and run.error["type"] == "NotJSONSerializable"
+    assert run.error is not None
+    assert run.error["type"] == "NotJSONSerializable"
     effect = app.describe(run.run_id)["effects"][0]
-    assert effect["status"] == "succeeded" and calls["weird"] == 1
+    assert effect["status"] == "succeeded"
+    assert calls["weird"] == 1
 
 
 def test_redacted_arguments_are_not_stored_in_clear(make_app: MakeApp, database_url: str) -> None:
@@ -347,7 +359,8 @@ def test_redacted_arguments_are_not_stored_in_clear(make_app: MakeApp, database_
 
     run = app.run(wf)
     stored = app.describe(run.run_id)["effects"][0]["arguments"]
-    assert stored["amount"] == 5 and set(stored["card"]) == {"redacted"}
+    assert stored["amount"] == 5
+    assert set(stored["card"]) == {"redacted"}
     path = database_url.removeprefix("sqlite:///")
     if database_url.startswith("sqlite:"):
         with open(path, "rb") as db:
@@ -380,7 +393,8 @@ def test_compensation_runs_once(make_app: MakeApp) -> None:
         return []
 
     run = app.run(wf)
-    assert run.status is RunStatus.COMPLETED and run.result == ["place#1"]
+    assert run.status is RunStatus.COMPLETED
+    assert run.result == ["place#1"]
     assert undone == ["o1"]
     statuses = {e["step_id"]: e["status"] for e in app.describe(run.run_id)["effects"]}
     assert statuses["place#1"] == "compensated"
@@ -473,7 +487,8 @@ def test_corrupted_checkpoint_falls_back_and_is_reported(
     gate_open["v"] = True
     app.resolve_effect(run.run_id, "gate#1", "not_executed")
     done = app.resume(run.run_id)
-    assert done.status is RunStatus.COMPLETED and done.result == 3
+    assert done.status is RunStatus.COMPLETED
+    assert done.result == 3
     assert "checkpoint_corrupted" in events(app, run.run_id)
 
 
@@ -507,7 +522,8 @@ def test_altered_journal_is_never_used(make_app: MakeApp, database_url: str) -> 
     again = app.resume(run.run_id)
     assert again.status is RunStatus.PAUSED
     assert again.status_reason == "checkpoint_corrupted"
-    assert again.error is not None and again.error["type"] == "CheckpointCorrupted"
+    assert again.error is not None
+    assert again.error["type"] == "CheckpointCorrupted"
 
 
 def test_worker_completes_queued_runs(make_app: MakeApp) -> None:

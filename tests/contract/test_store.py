@@ -68,8 +68,10 @@ def test_create_run_is_idempotent_on_run_id(store: Store) -> None:
     """A second create with the same id returns the stored run, not a new one."""
     first, created = run(store.create_run(new_run()))
     again, created_again = run(store.create_run(new_run()))
-    assert created and not created_again
-    assert again.run_id == first.run_id and again.status is RunStatus.QUEUED
+    assert created
+    assert not created_again
+    assert again.run_id == first.run_id
+    assert again.status is RunStatus.QUEUED
     events = run(store.events("r1"))
     assert [e.type for e in events] == ["run_started"]
 
@@ -78,7 +80,8 @@ def test_only_one_owner_claims_a_run(store: Store) -> None:
     """A live lease excludes every other claimer; the epoch grows on each claim."""
     run(store.create_run(new_run()))
     first = run(store.claim_run("r1", "w1", 30))
-    assert first is not None and first.run.status is RunStatus.RUNNING
+    assert first is not None
+    assert first.run.status is RunStatus.RUNNING
     assert run(store.claim_run("r1", "w2", 30)) is None
     assert run(store.claim_next("w2", 30, ["wf"])) is None
 
@@ -90,7 +93,9 @@ def test_expired_lease_is_taken_over_and_old_owner_is_fenced(store: Store) -> No
     assert old is not None
     time.sleep(0.1)
     new = run(store.claim_next("w2", 30, ["wf"]))
-    assert new is not None and new.recovered and new.lease.epoch == old.lease.epoch + 1
+    assert new is not None
+    assert new.recovered
+    assert new.lease.epoch == old.lease.epoch + 1
     with pytest.raises(LeaseLostError):
         run(store.commit(old.lease, Transition(events=[EventWrite("late")])))
     with pytest.raises(LeaseLostError):
@@ -159,7 +164,8 @@ def test_operation_update_is_conditional_on_row_version(store: Store) -> None:
     journal = run(store.load_journal("r1"))
     assert journal is not None
     (op,) = journal.operations
-    assert op.status is OperationStatus.EXECUTING and op.lease_owner == "w1"
+    assert op.status is OperationStatus.EXECUTING
+    assert op.lease_owner == "w1"
 
 
 def test_checkpoint_is_sealed_with_sequence_and_checksum(store: Store) -> None:
@@ -192,7 +198,8 @@ def test_checkpoint_is_sealed_with_sequence_and_checksum(store: Store) -> None:
     cp = from_stored(stored.payload, stored.checksum)
     assert cp.last_event_sequence == committed.last_sequence
     assert cp.state_version == committed.state_version
-    assert cp.journal_length == 1 and cp.current_step == "s#1"
+    assert cp.journal_length == 1
+    assert cp.current_step == "s#1"
     journal = run(store.load_journal("r1"))
     assert journal is not None
     assert journal.steps[0].settled_sequence == committed.last_sequence
@@ -211,7 +218,8 @@ def test_operator_guard_requires_unchanged_unleased_run(store: Store) -> None:
         )
     )
     current = run(store.get_run("r1"))
-    assert current is not None and current.lease_owner is None
+    assert current is not None
+    assert current.lease_owner is None
     run(
         store.commit(
             Expect("r1", current.state_version),
