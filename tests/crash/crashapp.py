@@ -1,0 +1,151 @@
+"""The app the crash tests execute in a real subprocess (driven by ``tests.crash.runner``).
+
+Every tool makes exactly one real effect at the example shop (``$SHOP_URL``), each of a
+different kind of external service:
+
+* ``idem_tool``: ``idempotent=True``, POST /orders with ``durably.idempotency_key()``; the shop
+  deduplicates by that key, so an unknown outcome is settled by re-sending it.
+* ``reconciled_tool``: POST /coupons (no deduplication) with ``reconcile=`` asking
+  GET /coupons?customer=&campaign= what happened.
+* ``plain_tool``: POST /coupons with neither: an unknown outcome must go to a person.
+* ``classified_tool``: like ``plain_tool`` but classifies the shop's 503 (answered before any
+  effect is written) as ``TRANSIENT_BEFORE_SEND``.
+
+Workflows ``<kind>_once`` run a step, the tool once, a step, and return the tool's result;
+``<kind>_twice`` call the tool twice (campaigns ``<campaign>-1`` and ``<campaign>-2``).
+Configuration: ``$DURABLY_DATABASE_URL``, ``$SHOP_URL``, ``$SHOP_TIMEOUT`` (the tools' HTTP
+client timeout, seconds) and ``$CRASH_LEASE_TTL`` (seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import durably
+from durably.examples.shop import ShopHTTPError, get_json, post_json
+
+LEASE_TTL_S = float(os.environ.get("CRASH_LEASE_TTL", "0.5"))
+
+app = durably.App(lease_ttl=timedelta(seconds=LEASE_TTL_S))
+
+
+def _shop() -> str:
+    return os.environ["SHOP_URL"].rstrip("/")
+
+
+def _timeout() -> float:
+    return float(os.environ.get("SHOP_TIMEOUT", "5"))
+
+
+def coupon_view(row: dict[str, Any]) -> dict[str, Any]:
+    """A coupon as POST /coupons answers it, from that answer or from a GET /coupons row."""
+    return {k: row[k] for k in ("coupon_id", "customer", "campaign", "code")}
+
+
+def order_body(customer: str, campaign: str) -> dict[str, Any]:
+    return {"customer": customer, "items": [{"sku": campaign, "qty": 1}], "amount": 12.5}
+
+
+# -- steps ------------------------------------------------------------------------------
+
+
+@app.step()
+def begin(customer: str, campaign: str) -> dict[str, str]:
+    return {"customer": customer, "campaign": campaign}
+
+
+@app.step()
+def finish(effect: dict[str, Any]) -> dict[str, Any]:
+    return {"recorded": effect.get("order_id") or effect.get("coupon_id")}
+
+
+# -- tools ------------------------------------------------------------------------------
+
+
+@app.tool(idempotent=True, external_id=lambda r: r["order_id"])
+def idem_tool(customer: str, campaign: str) -> dict[str, Any]:
+    return post_json(
+        f"{_shop()}/orders",
+        order_body(customer, campaign),
+        idempotency_key=durably.idempotency_key(),
+        timeout=_timeout(),
+    )
+
+
+def find_coupon(op: durably.Operation) -> durably.Reconciliation:
+    query = urllib.parse.urlencode(
+        {"customer": op.arguments["customer"], "campaign": op.arguments["campaign"]}
+    )
+    found = get_json(f"{_shop()}/coupons?{query}", timeout=_timeout())["coupons"]
+    durably.crash_point("find_coupon.answered")  # a tool's own crash point
+    if found:
+        return durably.Reconciliation.succeeded(coupon_view(found[0]), duplicates=len(found) - 1)
+    return durably.Reconciliation.not_executed()
+
+
+def _issue_coupon(customer: str, campaign: str) -> dict[str, Any]:
+    body = {"customer": customer, "campaign": campaign}
+    return coupon_view(post_json(f"{_shop()}/coupons", body, timeout=_timeout()))
+
+
+@app.tool(reconcile=find_coupon, external_id=lambda r: r["coupon_id"])
+def reconciled_tool(customer: str, campaign: str) -> dict[str, Any]:
+    return _issue_coupon(customer, campaign)
+
+
+@app.tool(external_id=lambda r: r["coupon_id"])
+def plain_tool(customer: str, campaign: str) -> dict[str, Any]:
+    return _issue_coupon(customer, campaign)
+
+
+def rejected_before_acting(exc: BaseException) -> durably.FailureCategory | None:
+    """This shop answers 503 only before it writes anything: nothing took effect."""
+    if isinstance(exc, ShopHTTPError) and exc.status == 503:
+        return durably.FailureCategory.TRANSIENT_BEFORE_SEND
+    return None
+
+
+@app.tool(classify=rejected_before_acting, external_id=lambda r: r["coupon_id"])
+def classified_tool(customer: str, campaign: str) -> dict[str, Any]:
+    return _issue_coupon(customer, campaign)
+
+
+TOOLS: dict[str, durably.Durable[..., dict[str, Any]]] = {
+    "idempotent": idem_tool,
+    "reconciled": reconciled_tool,
+    "neither": plain_tool,
+    "classified": classified_tool,
+}
+
+
+# -- workflows --------------------------------------------------------------------------
+
+
+def _once(tool: durably.Durable[..., dict[str, Any]]) -> Callable[..., Awaitable[Any]]:
+    async def once(customer: str, campaign: str) -> dict[str, Any]:
+        await begin(customer, campaign)
+        effect = await tool(customer=customer, campaign=campaign)
+        await finish(effect)
+        return effect
+
+    return once
+
+
+def _twice(tool: durably.Durable[..., dict[str, Any]]) -> Callable[..., Awaitable[Any]]:
+    async def twice(customer: str, campaign: str) -> list[dict[str, Any]]:
+        await begin(customer, campaign)
+        first = await tool(customer=customer, campaign=f"{campaign}-1")
+        second = await tool(customer=customer, campaign=f"{campaign}-2")
+        await finish(second)
+        return [first, second]
+
+    return twice
+
+
+for _kind, _tool in TOOLS.items():
+    app.workflow(name=f"{_kind}_once")(_once(_tool))
+    app.workflow(name=f"{_kind}_twice")(_twice(_tool))

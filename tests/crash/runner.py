@@ -1,0 +1,71 @@
+"""Runs one crash-test run in this process and prints it as JSON on the last stdout line.
+
+    python -m tests.crash.runner start   RUN_ID WORKFLOW INPUT_JSON
+    python -m tests.crash.runner recover RUN_ID WORKFLOW INPUT_JSON
+    python -m tests.crash.runner execute RUN_ID
+    python -m tests.crash.runner resume  RUN_ID
+
+``start`` creates the run and executes it (``app.run``). ``recover`` plays a fresh process
+after a crash: it waits until the dead process's lease on the run has expired (read from
+the store, judged by the store's clock), then calls ``app.run`` again with the same run id
+and input, which re-executes the existing run. ``execute`` calls ``app.execute_async`` at
+once (it does nothing while another holder's lease is live). ``resume`` is ``app.resume``. With
+``DURABLY_CRASH_AT`` set the process exits 77 at that point instead of printing anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from tests.crash.crashapp import app
+
+LEASE_WAIT_S = 15.0
+
+
+async def wait_for_lease(run_id: str) -> None:
+    """Return once nobody holds a live lease on the run."""
+    store = await app.open()
+    deadline = time.monotonic() + LEASE_WAIT_S
+    while True:
+        run = await store.get_run(run_id)
+        if run is None or run.lease_owner is None or run.lease_until is None:
+            return
+        if run.lease_until < await store.now():
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the lease on {run_id} did not expire within {LEASE_WAIT_S} s")
+        await asyncio.sleep(0.02)
+
+
+async def main(argv: list[str]) -> dict[str, Any]:
+    mode, run_id = argv[0], argv[1]
+    try:
+        if mode == "start":
+            run = await app.run_async(argv[2], run_id=run_id, **json.loads(argv[3]))
+        elif mode == "recover":
+            await wait_for_lease(run_id)
+            run = await app.run_async(argv[2], run_id=run_id, **json.loads(argv[3]))
+        elif mode == "execute":
+            run = await app.execute_async(run_id)
+        elif mode == "resume":
+            run = await app.resume_async(run_id)
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+    finally:
+        await app.close()
+    return {
+        "run_id": run.run_id,
+        "status": run.status.value,
+        "status_reason": run.status_reason,
+        "result": run.result,
+        "error": run.error,
+        "waiting_for": run.waiting_for,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(sys.argv[1:]))), flush=True)
