@@ -30,7 +30,7 @@ from durably.errors import (
     InvalidTransition,
     RunNotFound,
 )
-from durably.keys import DEFAULT_MAX_PAYLOAD_BYTES, canonical_json, sha256_hex
+from durably.keys import DEFAULT_MAX_PAYLOAD_BYTES, canonical_json, plain_json, sha256_hex
 from durably.metrics import Metrics
 from durably.reconcile import Operation
 from durably.status import FailureCategory, OperationStatus, RunStatus, StepStatus
@@ -461,6 +461,7 @@ class App:
         # Verify first: a new checkpoint over an altered journal would launder the damage.
         journal_state, corrupted = await runtime.verified(store, journal)
         result_json = None
+        external_id: str | None = None
         error: dict[str, Any] | None = None
         category = None
         if outcome == "succeeded":
@@ -468,8 +469,20 @@ class App:
                 result, what="the resolved result", limit=self.max_payload_bytes
             )
             journal_state.settle(step_id, result_json)
-            journal_state.completed_effects.append(op.idempotency_key)
+            journal_state.effect_completed(op.idempotency_key)
             op_status = OperationStatus.SUCCEEDED
+            tool = self._tools.get(op.tool)
+            if tool is not None and tool.external_id is not None:
+                try:
+                    external_id = str(tool.external_id(result))
+                except Exception as exc:
+                    raise InvalidTransition(
+                        f"the result given for {step_id} is not shaped like what {op.tool} "
+                        f"returns (its external_id function failed: {exc!r}); pass the "
+                        "service's record as the tool would have returned it",
+                        run_id=run_id,
+                        step_id=step_id,
+                    ) from exc
         elif outcome == "not_executed":
             op_status = OperationStatus.INTENT_RECORDED
         elif outcome == "failed":
@@ -516,11 +529,12 @@ class App:
                     tool=op.tool,
                     tool_version=op.tool_version,
                     input_hash=op.input_hash,
-                    arguments_json=canonical_json(op.arguments),
+                    arguments_json=plain_json(op.arguments),
                     status=op_status,
                     result_json=result_json,
                     error=error,
                     failure_category=category,
+                    external_operation_id=external_id,
                     attempt=op.attempt,
                     expect_row_version=op.row_version,
                 ),

@@ -11,13 +11,12 @@ run pauses with ``checkpoint_corrupted`` instead of continuing from a wrong stat
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from durably.errors import CheckpointCorrupted
-from durably.keys import canonical_json, sha256_hex
+from durably.keys import plain_json, sha256_hex
 
 CHECKPOINT_SCHEMA_VERSION = 1
 
@@ -53,7 +52,7 @@ class Checkpoint:
     state_snapshot: dict[str, Any]
     last_event_sequence: int
     pending_action: dict[str, Any] | None
-    completed_effects: list[str]
+    completed_effects: dict[str, Any]
     budget_snapshot: dict[str, Any]
     created_at: float
     schema_version: int
@@ -85,7 +84,7 @@ class Checkpoint:
 
 
 def checksum_of(payload: Mapping[str, Any]) -> str:
-    return sha256_hex(canonical_json(dict(payload), what="checkpoint"))
+    return sha256_hex(plain_json(dict(payload)))
 
 
 def from_stored(payload: dict[str, Any], checksum: str) -> Checkpoint:
@@ -122,12 +121,17 @@ class JournalState:
     run_id: str
     length: int = 0
     digest: str = ""
-    completed_effects: list[str] = field(default_factory=list)
+    effects_completed: int = 0
+    last_effect: str | None = None
     budget: dict[str, Any] = field(default_factory=dict)
 
     def settle(self, step_id: str, output_json: str) -> None:
         self.length += 1
         self.digest = chain_digest(self.digest, step_id, sha256_hex(output_json))
+
+    def effect_completed(self, idempotency_key: str) -> None:
+        self.effects_completed += 1
+        self.last_effect = idempotency_key
 
     def draft(
         self,
@@ -142,7 +146,9 @@ class JournalState:
             status=status,
             state_snapshot={"journal_length": self.length, "journal_digest": self.digest},
             pending_action=pending_action,
-            completed_effects=list(self.completed_effects),
+            # A count and the latest key, not the whole list: the ledger holds the list, the
+            # journal digest covers every result, and a list would grow each checkpoint.
+            completed_effects={"count": self.effects_completed, "last": self.last_effect},
             budget_snapshot=dict(self.budget),
         )
 
@@ -156,13 +162,16 @@ class CheckpointDraft:
     status: str
     state_snapshot: dict[str, Any]
     pending_action: dict[str, Any] | None
-    completed_effects: list[str]
+    completed_effects: dict[str, Any]
     budget_snapshot: dict[str, Any]
 
-    def seal(self, *, state_version: int, last_event_sequence: int) -> Checkpoint:
-        """Complete the checkpoint inside the store's transaction and compute its checksum."""
+    def seal(self, *, state_version: int, last_event_sequence: int) -> tuple[Checkpoint, str]:
+        """Complete the checkpoint inside the store's transaction: it and its payload JSON.
+
+        The id is ``<run_id>:<state_version>``: unique, and derivable without an index.
+        """
         unsealed = Checkpoint(
-            checkpoint_id=uuid.uuid4().hex,
+            checkpoint_id=f"{self.run_id}:{state_version}",
             run_id=self.run_id,
             state_version=state_version,
             current_step=self.current_step,
@@ -176,7 +185,8 @@ class CheckpointDraft:
             schema_version=CHECKPOINT_SCHEMA_VERSION,
             checksum="",
         )
-        return replace(unsealed, checksum=checksum_of(unsealed.payload()))
+        text = plain_json(unsealed.payload())
+        return replace(unsealed, checksum=sha256_hex(text)), text
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -106,13 +107,18 @@ def bind_arguments(
     return arguments
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn)
+
+
 async def invoke(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a user function: coroutines on the loop, plain functions on a worker thread.
 
     A thread keeps a blocking tool (an HTTP client, a driver) from stalling the worker's
     other runs and its lease heartbeat; contextvars (the idempotency key) follow it.
     """
-    if inspect.iscoroutinefunction(fn):
+    if _is_async(fn):
         return await fn(*args, **kwargs)
     result = await asyncio.to_thread(fn, *args, **kwargs)
     if inspect.isawaitable(result):

@@ -31,7 +31,7 @@ from durably.errors import (
     StepFailed,
     ToolError,
 )
-from durably.keys import canonical_json, idempotency_key, input_hash, sha256_hex
+from durably.keys import canonical_json, idempotency_key, input_hash, plain_json, sha256_hex
 from durably.ledger import Action, OperationView, decide
 from durably.reconcile import Operation, Reconciliation
 from durably.runtime import RunContext, Suspend, error_dict
@@ -113,6 +113,16 @@ class Effect:
         )
         ctx.replayed(self.step_id, self.position, "tool", tool.name, self.input_hash)
         self.op: OperationRecord | None = ctx.operations.get(self.key)
+        # input_hash() already proved the arguments are plain JSON.
+        self.stored_arguments = redact(tool, self.key, self.arguments)
+        self.arguments_json = plain_json(self.stored_arguments)
+        if len(self.arguments_json) > ctx.app.max_payload_bytes:
+            raise PayloadTooLarge(
+                f"the arguments of {tool.name} are {len(self.arguments_json)} bytes of JSON, "
+                f"over the limit of {ctx.app.max_payload_bytes}; pass a reference instead",
+                run_id=ctx.run.run_id,
+                step_id=self.step_id,
+            )
         self.reconciling = False
 
     # -- the loop -----------------------------------------------------------------------
@@ -173,7 +183,7 @@ class Effect:
 
     def _write(self, status: OperationStatus, **changes: Any) -> OperationWrite:
         op = self.op
-        base = OperationWrite(
+        fields: dict[str, Any] = dict(
             tenant=self.ctx.run.tenant,
             idempotency_key=self.key,
             run_id=self.ctx.run.run_id,
@@ -182,11 +192,7 @@ class Effect:
             tool=self.tool.name,
             tool_version=self.tool.version,
             input_hash=self.input_hash,
-            arguments_json=canonical_json(
-                redact(self.tool, self.key, self.arguments),
-                what=f"the arguments of {self.tool.name}",
-                limit=self.ctx.app.max_payload_bytes,
-            ),
+            arguments_json=self.arguments_json,
             status=status,
             result_json=None,
             error=None,
@@ -194,21 +200,19 @@ class Effect:
             attempt=0 if op is None else op.attempt,
             expect_row_version=None if op is None else op.row_version,
         )
-        return replace(base, **changes)
+        fields.update(changes)
+        return OperationWrite(**fields)
 
     def _step(self, status: StepStatus, **changes: Any) -> StepWrite:
-        attempt = 0 if self.op is None else self.op.attempt
-        return replace(
-            StepWrite(
-                self.step_id,
-                self.position,
-                "tool",
-                self.tool.name,
-                status,
-                self.input_hash,
-                idempotency_key=self.key,
-                attempts=attempt,
-            ),
+        changes.setdefault("attempts", 0 if self.op is None else self.op.attempt)
+        return StepWrite(
+            self.step_id,
+            self.position,
+            "tool",
+            self.tool.name,
+            status,
+            self.input_hash,
+            idempotency_key=self.key,
             **changes,
         )
 
@@ -262,7 +266,7 @@ class Effect:
             tool=write.tool,
             tool_version=write.tool_version,
             input_hash=write.input_hash,
-            arguments=json.loads(write.arguments_json),
+            arguments=self.stored_arguments,
             status=write.status,
             result_json=write.result_json,
             error=write.error,
@@ -350,7 +354,7 @@ class Effect:
                 log.warning("external_id of %s failed: %r", self.tool.name, exc)
         if result_json is not None:
             self.ctx.journal.settle(self.step_id, result_json)
-            self.ctx.journal.completed_effects.append(self.key)
+            self.ctx.journal.effect_completed(self.key)
         await self._apply(
             self._write(
                 OperationStatus.SUCCEEDED,
@@ -618,7 +622,7 @@ async def compensate(ctx: RunContext, step_ids: tuple[str, ...]) -> list[str]:
                         tool=current.tool,
                         tool_version=current.tool_version,
                         input_hash=current.input_hash,
-                        arguments_json=canonical_json(current.arguments),
+                        arguments_json=plain_json(current.arguments),
                         status=OperationStatus.COMPENSATED,
                         result_json=current.result_json,
                         external_operation_id=current.external_operation_id,

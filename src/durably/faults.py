@@ -26,12 +26,15 @@ CRASH_POINTS = (
 )
 
 _visits: Counter[str] = Counter()
+_parsed: dict[str, tuple[str, int]] = {}
 
 
 def _target() -> tuple[str, int] | None:
     spec = os.environ.get("DURABLY_CRASH_AT", "").strip()
     if not spec:
         return None
+    if spec in _parsed:
+        return _parsed[spec]
     name, _, count = spec.partition(":")
     try:
         n = int(count) if count else 1
@@ -41,6 +44,7 @@ def _target() -> tuple[str, int] | None:
         ) from None
     if n < 1:
         raise ConfigurationError(f"DURABLY_CRASH_AT={spec!r}: n must be at least 1")
+    _parsed[spec] = (name, n)
     return name, n
 
 

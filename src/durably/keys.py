@@ -40,6 +40,11 @@ def canonical_json(value: Any, *, what: str = "value", limit: int | None = None)
     return text
 
 
+def plain_json(value: Any) -> str:
+    """Canonical JSON of a value durably built itself (events, checkpoints): no checks."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def sha256_hex(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 

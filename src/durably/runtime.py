@@ -100,10 +100,13 @@ class RunContext:
 
     async def commit(self, transition: Transition) -> Committed:
         try:
-            return await self.store.commit(self.lease, transition)
+            committed = await self.store.commit(self.lease, transition)
         except LeaseLostError:
             self.stopped = True
             raise
+        if transition.checkpoint is not None:
+            faults.crash_point("checkpoint.after_write")
+        return committed
 
     def replayed(self, step_id: str, position: int, kind: str, name: str, ih: str) -> None:
         """Raise if the journal holds a different call at this position or step id."""
@@ -213,9 +216,9 @@ async def call_step(
             checkpoint=ctx.journal.draft(status=RunStatus.RUNNING, current_step=step_id),
         )
     )
-    # Result, event and checkpoint are one transaction: these two windows are one.
+    # Result, event and checkpoint are one transaction: checkpoint.after_write (fired by
+    # the commit) and this window are the same moment.
     faults.crash_point("step.after_record")
-    faults.crash_point("checkpoint.after_write")
     return value
 
 
@@ -237,11 +240,9 @@ def _journal_state(
         (s for s in steps if s.settled_sequence is not None), key=lambda s: s.settled_sequence or 0
     ):
         state.settle(step.step_id, step.output_json or "null")
-    state.completed_effects = [
-        o.idempotency_key
-        for o in sorted(ops, key=lambda o: o.created_at)
-        if o.status is OperationStatus.SUCCEEDED
-    ]
+    for op in sorted(ops, key=lambda o: o.created_at):
+        if op.status is OperationStatus.SUCCEEDED:
+            state.effect_completed(op.idempotency_key)
     return state
 
 

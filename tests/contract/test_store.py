@@ -154,7 +154,8 @@ def test_operation_update_is_conditional_on_row_version(store: Store) -> None:
     run(store.create_run(new_run()))
     claim = run(store.claim_run("r1", "w1", 30))
     assert claim is not None
-    done = run(store.commit(claim.lease, Transition(events=[], operation=op_write())))
+    step = StepWrite("t#1", 1, "tool", "t", StepStatus.INTENT_RECORDED, "ih", idempotency_key="k1")
+    done = run(store.commit(claim.lease, Transition(events=[], operation=op_write(), step=step)))
     assert done.operation_row_version == 1
     claim_op = op_write(status=OperationStatus.EXECUTING, expect_row_version=1, hold_lease=True)
     second = run(store.commit(claim.lease, Transition(events=[], operation=claim_op)))

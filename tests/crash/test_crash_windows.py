@@ -207,14 +207,16 @@ def test_crash_window(
 # -- counting visits: DURABLY_CRASH_AT=<point>:<n> -----------------------------------------
 
 # (point, workflow shape): the n-th visit is in the second tool call (``twice``) or the step
-# after the tool (``once``: ``begin`` is visit 1, ``finish`` visit 2).
+# after the tool (``once``: ``begin`` is visit 1, ``finish`` visit 2 of step.after_record;
+# checkpoint.after_write also fires after the tool's intent and outcome commits, so
+# ``finish`` is its visit 4).
 SECOND_VISITS = [
     ("effect.before_intent:2", "twice"),
     ("effect.after_intent:2", "twice"),
     ("effect.after_call:2", "twice"),
     ("effect.after_record:2", "twice"),
     ("step.after_record:2", "once"),
-    ("checkpoint.after_write:2", "once"),
+    ("checkpoint.after_write:4", "once"),
 ]
 
 

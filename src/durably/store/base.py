@@ -217,7 +217,11 @@ class Committed:
 
 @dataclass(frozen=True)
 class Journal:
-    """What a worker needs to resume a run, read in one transaction."""
+    """What a worker needs to resume a run, read in one transaction.
+
+    ``operations`` are found through the step rows: a tool operation is always written in
+    the same transaction as its step row (which carries its idempotency key).
+    """
 
     run: RunRecord
     steps: list[StepRecord]

@@ -10,14 +10,13 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from durably.errors import ConfigurationError, InvalidTransition, LeaseLostError
-from durably.keys import canonical_json
+from durably.keys import plain_json
 from durably.status import OperationStatus, RunStatus, StepStatus
 from durably.store.base import (
     RUNNABLE,
@@ -53,7 +52,7 @@ def path_from_url(url: str) -> str:
 
 
 def _json_or_none(value: Any) -> str | None:
-    return None if value is None else canonical_json(value)
+    return None if value is None else plain_json(value)
 
 
 class SQLiteStore(Store):
@@ -304,20 +303,19 @@ class SQLiteStore(Store):
             if t.operation is not None:
                 op_version = self._write_operation(db, guard, t, now, lease_until)
             if t.checkpoint is not None:
-                cp = t.checkpoint.seal(
+                cp, payload_json = t.checkpoint.seal(
                     state_version=state_version, last_event_sequence=last_sequence
                 )
                 db.execute(
-                    "INSERT INTO durably_checkpoints (checkpoint_id, run_id, state_version, "
+                    "INSERT INTO durably_checkpoints (run_id, state_version, "
                     "last_event_sequence, schema_version, payload_json, checksum, created_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (
-                        cp.checkpoint_id,
                         cp.run_id,
                         cp.state_version,
                         cp.last_event_sequence,
                         cp.schema_version,
-                        canonical_json(cp.payload()),
+                        payload_json,
                         cp.checksum,
                         now,
                     ),
@@ -334,16 +332,10 @@ class SQLiteStore(Store):
         payload: dict[str, Any],
         now: float,
     ) -> None:
-        event_id = uuid.uuid4().hex
         db.execute(
-            "INSERT INTO durably_events (run_id, sequence, event_id, type, step_id, "
-            "payload_json, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (run_id, sequence, event_id, type_, step_id, canonical_json(payload), now),
-        )
-        db.execute(
-            "INSERT INTO durably_outbox (run_id, sequence, event_id, created_at) "
-            "VALUES (?, ?, ?, ?)",
-            (run_id, sequence, event_id, now),
+            "INSERT INTO durably_events (run_id, sequence, type, step_id, payload_json, "
+            "created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            (run_id, sequence, type_, step_id, plain_json(payload), now),
         )
 
     def _upsert_step(
@@ -489,7 +481,12 @@ class SQLiteStore(Store):
                     "SELECT * FROM durably_steps WHERE run_id = ? ORDER BY position", (run_id,)
                 ).fetchall()
                 ops = self._conn.execute(
-                    "SELECT * FROM durably_tool_operations WHERE run_id = ?", (run_id,)
+                    # Every operation has its step row (same transaction), so the steps'
+                    # keys find them without an index on run_id to maintain per effect.
+                    "SELECT o.* FROM durably_steps s JOIN durably_tool_operations o "
+                    "ON o.tenant_id = ? AND o.idempotency_key = s.idempotency_key "
+                    "WHERE s.run_id = ?",
+                    (row["tenant_id"], run_id),
                 ).fetchall()
                 cps = self._conn.execute(
                     "SELECT payload_json, checksum FROM durably_checkpoints WHERE run_id = ? "
@@ -515,7 +512,7 @@ class SQLiteStore(Store):
             EventRecord(
                 run_id=r["run_id"],
                 sequence=r["sequence"],
-                event_id=r["event_id"],
+                event_id=f"{r['run_id']}:{r['sequence']}",
                 type=r["type"],
                 step_id=r["step_id"],
                 payload=loads(r["payload_json"]),

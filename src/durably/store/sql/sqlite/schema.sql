@@ -1,7 +1,6 @@
 -- Snapshot of the SQLite schema after every migration (tests/test_migrations.py keeps it true).
 
 CREATE TABLE durably_checkpoints (
-    checkpoint_id        TEXT PRIMARY KEY,
     run_id               TEXT NOT NULL REFERENCES durably_runs (run_id),
     state_version        INTEGER NOT NULL,
     last_event_sequence  INTEGER NOT NULL,
@@ -9,35 +8,25 @@ CREATE TABLE durably_checkpoints (
     payload_json         TEXT NOT NULL,
     checksum             TEXT NOT NULL,
     created_at           REAL NOT NULL,
-    UNIQUE (run_id, state_version)
-);
+    PRIMARY KEY (run_id, state_version)
+) WITHOUT ROWID;
 
 CREATE TABLE durably_events (
     run_id        TEXT NOT NULL REFERENCES durably_runs (run_id),
     sequence      INTEGER NOT NULL,
-    event_id      TEXT NOT NULL UNIQUE,
     type          TEXT NOT NULL,
     step_id       TEXT,
     payload_json  TEXT NOT NULL,
     created_at    REAL NOT NULL,
     PRIMARY KEY (run_id, sequence)
-);
+) WITHOUT ROWID;
 
 CREATE TABLE durably_inbox (
     consumer      TEXT NOT NULL,
     event_id      TEXT NOT NULL,
     received_at   REAL NOT NULL,
     PRIMARY KEY (consumer, event_id)
-);
-
-CREATE TABLE durably_outbox (
-    outbox_id      INTEGER PRIMARY KEY AUTOINCREMENT,
-    run_id         TEXT NOT NULL,
-    sequence       INTEGER NOT NULL,
-    event_id       TEXT NOT NULL UNIQUE,
-    created_at     REAL NOT NULL,
-    dispatched_at  REAL
-);
+) WITHOUT ROWID;
 
 CREATE TABLE durably_runs (
     run_id            TEXT PRIMARY KEY,
@@ -62,7 +51,7 @@ CREATE TABLE durably_runs (
     available_at      REAL NOT NULL,
     created_at        REAL NOT NULL,
     updated_at        REAL NOT NULL
-);
+) WITHOUT ROWID;
 
 CREATE TABLE durably_schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL);
 
@@ -84,7 +73,7 @@ CREATE TABLE durably_steps (
     created_at        REAL NOT NULL,
     updated_at        REAL NOT NULL,
     PRIMARY KEY (run_id, step_id)
-);
+) WITHOUT ROWID;
 
 CREATE TABLE durably_tool_operations (
     tenant_id              TEXT NOT NULL,
@@ -110,12 +99,9 @@ CREATE TABLE durably_tool_operations (
     created_at             REAL NOT NULL,
     updated_at             REAL NOT NULL,
     PRIMARY KEY (tenant_id, idempotency_key)
-);
+) WITHOUT ROWID;
 
 CREATE INDEX durably_runs_created ON durably_runs (created_at);
 
 CREATE INDEX durably_runs_runnable ON durably_runs (status, available_at);
 
-CREATE INDEX durably_tool_operations_run ON durably_tool_operations (run_id);
-
-CREATE INDEX durably_tool_operations_status ON durably_tool_operations (status);

@@ -1,4 +1,6 @@
 -- durably schema v1 for SQLite. Times are UTC unix seconds (REAL); JSON is TEXT.
+-- Tables are WITHOUT ROWID and keyed by what is looked up, so a commit touches few pages:
+-- SQLite commit cost grows with every b-tree a transaction writes.
 
 CREATE TABLE durably_runs (
     run_id            TEXT PRIMARY KEY,
@@ -23,7 +25,7 @@ CREATE TABLE durably_runs (
     available_at      REAL NOT NULL,
     created_at        REAL NOT NULL,
     updated_at        REAL NOT NULL
-);
+) WITHOUT ROWID;
 
 CREATE INDEX durably_runs_runnable ON durably_runs (status, available_at);
 CREATE INDEX durably_runs_created ON durably_runs (created_at);
@@ -46,7 +48,7 @@ CREATE TABLE durably_steps (
     created_at        REAL NOT NULL,
     updated_at        REAL NOT NULL,
     PRIMARY KEY (run_id, step_id)
-);
+) WITHOUT ROWID;
 
 CREATE TABLE durably_tool_operations (
     tenant_id              TEXT NOT NULL,
@@ -72,24 +74,24 @@ CREATE TABLE durably_tool_operations (
     created_at             REAL NOT NULL,
     updated_at             REAL NOT NULL,
     PRIMARY KEY (tenant_id, idempotency_key)
-);
+) WITHOUT ROWID;
 
-CREATE INDEX durably_tool_operations_run ON durably_tool_operations (run_id);
-CREATE INDEX durably_tool_operations_status ON durably_tool_operations (status);
-
+-- The event log is also the transactional outbox: an event is written in the transaction
+-- of the change it reports, and consumers read it in (run_id, sequence) order, deduplicated
+-- per consumer through durably_inbox. Its id is "<run_id>:<sequence>".
 CREATE TABLE durably_events (
     run_id        TEXT NOT NULL REFERENCES durably_runs (run_id),
     sequence      INTEGER NOT NULL,
-    event_id      TEXT NOT NULL UNIQUE,
     type          TEXT NOT NULL,
     step_id       TEXT,
     payload_json  TEXT NOT NULL,
     created_at    REAL NOT NULL,
     PRIMARY KEY (run_id, sequence)
-);
+) WITHOUT ROWID;
 
+-- The checkpoint id is "<run_id>:<state_version>"; the full payload (with its id) is what
+-- the checksum covers.
 CREATE TABLE durably_checkpoints (
-    checkpoint_id        TEXT PRIMARY KEY,
     run_id               TEXT NOT NULL REFERENCES durably_runs (run_id),
     state_version        INTEGER NOT NULL,
     last_event_sequence  INTEGER NOT NULL,
@@ -97,21 +99,12 @@ CREATE TABLE durably_checkpoints (
     payload_json         TEXT NOT NULL,
     checksum             TEXT NOT NULL,
     created_at           REAL NOT NULL,
-    UNIQUE (run_id, state_version)
-);
-
-CREATE TABLE durably_outbox (
-    outbox_id      INTEGER PRIMARY KEY AUTOINCREMENT,
-    run_id         TEXT NOT NULL,
-    sequence       INTEGER NOT NULL,
-    event_id       TEXT NOT NULL UNIQUE,
-    created_at     REAL NOT NULL,
-    dispatched_at  REAL
-);
+    PRIMARY KEY (run_id, state_version)
+) WITHOUT ROWID;
 
 CREATE TABLE durably_inbox (
     consumer      TEXT NOT NULL,
     event_id      TEXT NOT NULL,
     received_at   REAL NOT NULL,
     PRIMARY KEY (consumer, event_id)
-);
+) WITHOUT ROWID;
