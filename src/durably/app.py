@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Generic, Literal, ParamSpec, TypeVar
+from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
 from durably import context, effects, runtime
 from durably.definitions import (
@@ -122,6 +122,16 @@ class Durable(Generic[P, R]):
         return runtime.call_step(ctx, self.definition, args, kwargs, self._step_id)
 
 
+class Register(Protocol):
+    """What ``@app.step()`` and ``@app.tool()`` return: ``async def`` and plain functions
+    both become a :class:`Durable` whose call is awaited for the plain result."""
+
+    @overload
+    def __call__(self, fn: Callable[P, Coroutine[Any, Any, R]], /) -> Durable[P, R]: ...
+    @overload
+    def __call__(self, fn: Callable[P, R], /) -> Durable[P, R]: ...
+
+
 class App:
     """Registry of workflows, steps and tools bound to one store.
 
@@ -173,21 +183,21 @@ class App:
 
     def step(
         self, *, name: str | None = None, version: str = "1", retry: RetryPolicy | None = None
-    ) -> Callable[[Callable[P, R]], Durable[P, R]]:
+    ) -> Register:
         """Register a step: a read, a computation or a model call, recorded once.
 
         Sync functions run on a thread, ``async def`` on the loop. Any exception is retried
         by ``retry`` (re-running a step is harmless), then recorded as failed.
         """
 
-        def register(fn: Callable[P, R]) -> Durable[P, R]:
+        def register(fn: Callable[P, Any]) -> Durable[P, Any]:
             step_name = name or fn.__name__
             check_name("step", step_name, {**self._steps, **self._tools})
             d = StepDef(step_name, fn, version, retry or RetryPolicy(), inspect.signature(fn))
             self._steps[step_name] = d
             return Durable(d, fn)
 
-        return register
+        return cast(Register, register)
 
     def tool(
         self,
@@ -203,7 +213,7 @@ class App:
         redact: Sequence[str] = (),
         operation_group: str | None = None,
         timeout: timedelta | None = None,
-    ) -> Callable[[Callable[P, R]], Durable[P, R]]:
+    ) -> Register:
         """Register a tool whose call has an external side effect (the effect ledger).
 
         ``idempotent=True``: the service deduplicates by ``durably.idempotency_key()``, so an
@@ -212,7 +222,7 @@ class App:
         for a person. ``timeout`` bounds one execution; a timeout is an unknown outcome.
         """
 
-        def register(fn: Callable[P, R]) -> Durable[P, R]:
+        def register(fn: Callable[P, Any]) -> Durable[P, Any]:
             tool_name = name or fn.__name__
             check_name("tool", tool_name, {**self._steps, **self._tools})
             signature = inspect.signature(fn)
@@ -239,7 +249,7 @@ class App:
             self._tools[tool_name] = d
             return Durable(d, fn)
 
-        return register
+        return cast(Register, register)
 
     def workflow_def(self, name: str) -> WorkflowDef:
         try:
