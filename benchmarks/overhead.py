@@ -25,7 +25,6 @@ See benchmarks/README.md for the figures measured on the development machine.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import cProfile
 import gc
 import io
@@ -318,7 +317,7 @@ def _run(app: durably.App, wf: Workflow, n: int) -> float:
 
 
 def _close(app: durably.App) -> None:
-    asyncio.run(app.close())
+    app.close()
 
 
 def store_connection(app: durably.App) -> sqlite3.Connection:

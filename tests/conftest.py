@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -10,15 +12,37 @@ import pytest
 
 import durably
 
-# Every backend the contract suite runs against; PostgreSQL joins with its backend.
-BACKENDS = ["sqlite"]
+# Every backend the contract suite runs against. PostgreSQL must be reachable: a test that
+# cannot connect fails, it is never skipped (.ci/run starts the server).
+BACKENDS = ["sqlite", "postgres"]
+POSTGRES_URL = os.environ.get(
+    "DURABLY_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+
+
+def postgres_schema_url(schema: str) -> str:
+    """A URL whose connections see only ``schema`` (a fresh one per test)."""
+    return f"{POSTGRES_URL}?options=-csearch_path%3D{schema}"
+
+
+@pytest.fixture
+def postgres_schema() -> Iterator[str]:
+    import psycopg
+
+    schema = f"durably_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    yield schema
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
 
 
 @pytest.fixture(params=BACKENDS)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/durably.db"
-    raise AssertionError(f"unknown backend {request.param}")
+    schema: str = request.getfixturevalue("postgres_schema")
+    return postgres_schema_url(schema)
 
 
 @pytest.fixture
@@ -32,10 +56,8 @@ def make_app(database_url: str) -> Iterator[Callable[..., durably.App]]:
         return app
 
     yield make
-    import asyncio
-
     for app in apps:
-        asyncio.run(app.close())
+        app.close()
 
 
 def execute_sql(database_url: str, sql: str, params: tuple[object, ...] = ()) -> None:
@@ -46,7 +68,10 @@ def execute_sql(database_url: str, sql: str, params: tuple[object, ...] = ()) ->
         with sqlite3.connect(database_url.removeprefix("sqlite:///")) as conn:
             conn.execute(sql, params)
         return
-    raise AssertionError(f"no raw SQL access for {database_url}")
+    import psycopg
+
+    with psycopg.connect(database_url, autocommit=True) as pg:
+        pg.execute(sql.replace("?", "%s").encode(), params)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import sqlite3
@@ -50,12 +49,12 @@ def test_demo_crashes_mid_effect_and_every_effect_happens_once(tmp_path: Path) -
 @pytest.fixture
 def shop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ShopService]:
     """A fresh shop, and the example app pointed at a fresh database for this test."""
-    asyncio.run(agent.app.close())
+    agent.app.close()
     monkeypatch.setattr(agent.app, "database_url", f"sqlite:///{tmp_path}/agent.db")
     with ShopService(tmp_path / "shop.sqlite3") as svc:
         monkeypatch.setenv("SHOP_URL", svc.url)
         yield svc
-    asyncio.run(agent.app.close())
+    agent.app.close()
 
 
 def test_sales_report_completes_in_process(shop: ShopService) -> None:

@@ -35,3 +35,64 @@ def test_concurrent_stores_migrate_once(tmp_path: Path) -> None:
     first, second = SQLiteStore(url), SQLiteStore(url)
     applied = asyncio.run(first.migrate()) + asyncio.run(second.migrate())
     assert applied == [1]
+
+
+def postgres_catalog(url: str, schema: str) -> list[tuple[object, ...]]:
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        columns = conn.execute(
+            "SELECT table_name, column_name, data_type, is_nullable, column_default "
+            "FROM information_schema.columns WHERE table_schema = %s ORDER BY 1, 2",
+            (schema,),
+        ).fetchall()
+        indexes = conn.execute(
+            "SELECT tablename, indexname, replace(indexdef, %s, '') FROM pg_indexes "
+            "WHERE schemaname = %s ORDER BY 1, 2",
+            (f"{schema}.", schema),
+        ).fetchall()
+        checks = conn.execute(
+            "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) "
+            "FROM pg_constraint WHERE connamespace = %s::regnamespace ORDER BY 1, 2",
+            (schema,),
+        ).fetchall()
+    return [*columns, *indexes, *[(t.split(".")[-1], n, d) for t, n, d in checks]]
+
+
+def test_postgres_migrations_produce_the_snapshot(postgres_schema: str) -> None:
+    import psycopg
+
+    from durably.store.postgres import PostgresStore
+    from tests.conftest import POSTGRES_URL, postgres_schema_url
+
+    migrated = postgres_schema_url(postgres_schema)
+    asyncio.run(PostgresStore(migrated).migrate())
+    snapshot_schema = f"{postgres_schema}_snap"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{snapshot_schema}"')
+    try:
+        snapshot = postgres_schema_url(snapshot_schema)
+        with psycopg.connect(snapshot, autocommit=True) as conn:
+            conn.execute(schema_snapshot("postgres").encode())
+        assert postgres_catalog(migrated, postgres_schema) == postgres_catalog(
+            snapshot, snapshot_schema
+        )
+    finally:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{snapshot_schema}" CASCADE')
+
+
+def test_concurrent_postgres_migrations_apply_once(postgres_schema: str) -> None:
+    """Eight migrators racing on one empty schema: the advisory lock lets one apply each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from durably.store.migrations import Migrator
+    from durably.store.postgres import _MigrationTarget
+    from tests.conftest import postgres_schema_url
+
+    url = postgres_schema_url(postgres_schema)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(
+            pool.map(lambda _: Migrator("postgres", _MigrationTarget(url)).apply(), range(8))
+        )
+    assert sorted(v for r in results for v in r) == [1]

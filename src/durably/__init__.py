@@ -27,6 +27,7 @@ from durably.errors import (
     RunNotFound,
     SchemaTooNew,
     StepFailed,
+    StoreUnavailable,
     ToolError,
 )
 from durably.faults import crash_point
@@ -39,6 +40,7 @@ from durably.status import (
     RunStatus,
     StepStatus,
 )
+from durably.store.base import Event
 from durably.workflow_api import compensate
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "ConfigurationError",
     "Durable",
     "DurablyError",
+    "Event",
     "FailureCategory",
     "IdempotencyConflict",
     "InvalidTransition",
@@ -70,6 +73,7 @@ __all__ = [
     "SchemaTooNew",
     "StepFailed",
     "StepStatus",
+    "StoreUnavailable",
     "ToolError",
     "compensate",
     "crash_point",

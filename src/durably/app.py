@@ -7,6 +7,7 @@ import functools
 import inspect
 import os
 import secrets
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from datetime import timedelta
 from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
 from durably import context, effects, runtime
+from durably.checkpoint import checksum_of
 from durably.definitions import (
     Classifier,
     Reconciler,
@@ -36,6 +38,7 @@ from durably.reconcile import Operation
 from durably.status import FailureCategory, OperationStatus, RunStatus, StepStatus
 from durably.store import open_store
 from durably.store.base import (
+    Event,
     EventWrite,
     Expect,
     NewRun,
@@ -162,6 +165,7 @@ class App:
         self._tools: dict[str, ToolDef] = {}
         self._compensations: dict[str, ToolDef] = {}
         self._store: Store | None = None
+        self._loop = LoopThread()
 
     # -- registration -------------------------------------------------------------------
 
@@ -306,10 +310,17 @@ class App:
             self._store = store
         return self._store
 
-    async def close(self) -> None:
+    async def close_async(self) -> None:
+        """Close the store's connections opened in the running event loop."""
         if self._store is not None:
             await self._store.close()
             self._store = None
+
+    def close(self) -> None:
+        """Close the store and stop the thread that runs the blocking methods."""
+        if self._loop.running:
+            self._loop.call(self.close_async())
+        self._loop.stop()
 
     # -- runs ---------------------------------------------------------------------------
 
@@ -364,7 +375,9 @@ class App:
         **kwargs: Any,
     ) -> str:
         """Durably start a run for a worker to execute; returns its id. See ``start_async``."""
-        return _sync(self.start_async(workflow, *args, run_id=run_id, tenant=tenant, **kwargs))
+        return self._loop.call(
+            self.start_async(workflow, *args, run_id=run_id, tenant=tenant, **kwargs)
+        )
 
     async def run_async(
         self,
@@ -388,7 +401,9 @@ class App:
     ) -> Run:
         """Start a run and execute it in this process; returns it once it completes, fails,
         pauses or waits. ``app.run(sales_report, "EMEA")``"""
-        return _sync(self.run_async(workflow, *args, run_id=run_id, tenant=tenant, **kwargs))
+        return self._loop.call(
+            self.run_async(workflow, *args, run_id=run_id, tenant=tenant, **kwargs)
+        )
 
     async def execute_async(self, run_id: str, *, owner: str | None = None) -> Run:
         """Execute a runnable run in this process, if no live worker holds it."""
@@ -409,7 +424,7 @@ class App:
 
     def get_run(self, run_id: str) -> Run:
         """The run's current state."""
-        return _sync(self.get_run_async(run_id))
+        return self._loop.call(self.get_run_async(run_id))
 
     async def list_runs_async(
         self, *, status: RunStatus | None = None, workflow: str | None = None, limit: int = 100
@@ -422,7 +437,7 @@ class App:
         self, *, status: RunStatus | None = None, workflow: str | None = None, limit: int = 100
     ) -> list[Run]:
         """Runs, newest first."""
-        return _sync(self.list_runs_async(status=status, workflow=workflow, limit=limit))
+        return self._loop.call(self.list_runs_async(status=status, workflow=workflow, limit=limit))
 
     # -- operator actions ---------------------------------------------------------------
 
@@ -564,7 +579,9 @@ class App:
         by: str = "operator",
     ) -> Run:
         """Settle an unknown effect by hand. See ``resolve_effect_async``."""
-        return _sync(self.resolve_effect_async(run_id, step_id, outcome, result=result, by=by))
+        return self._loop.call(
+            self.resolve_effect_async(run_id, step_id, outcome, result=result, by=by)
+        )
 
     async def resume_async(self, run_id: str) -> Run:
         """Make a paused run runnable again and execute it here."""
@@ -589,7 +606,7 @@ class App:
 
     def resume(self, run_id: str) -> Run:
         """Resume a paused or stalled run in this process."""
-        return _sync(self.resume_async(run_id))
+        return self._loop.call(self.resume_async(run_id))
 
     async def describe_async(self, run_id: str) -> dict[str, Any]:
         """Everything about a run as plain JSON: the document behind ``runs show --json``."""
@@ -645,7 +662,27 @@ class App:
 
     def describe(self, run_id: str) -> dict[str, Any]:
         """A run with its steps and effects, as plain JSON."""
-        return _sync(self.describe_async(run_id))
+        return self._loop.call(self.describe_async(run_id))
+
+    async def events_async(self, run_id: str, *, after: int = 0) -> list[Event]:
+        store = await self.open()
+        return await store.events(run_id, after=after)
+
+    def events(self, run_id: str, *, after: int = 0) -> list[Event]:
+        """The run's event log (its audit trail), in sequence order, after ``after``."""
+        return self._loop.call(self.events_async(run_id, after=after))
+
+    async def checkpoints_async(self, run_id: str) -> list[dict[str, Any]]:
+        store = await self.open()
+        stored = await store.checkpoints(run_id)
+        return [
+            {**s.payload, "checksum": s.checksum, "valid": checksum_of(s.payload) == s.checksum}
+            for s in stored
+        ]
+
+    def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
+        """The run's checkpoints, newest first, each with its checksum and whether it holds."""
+        return self._loop.call(self.checkpoints_async(run_id))
 
     def worker(self, *, concurrency: int = 1, lease_ttl: timedelta | None = None) -> Any:
         """A worker that claims and executes this app's runnable runs."""
@@ -658,13 +695,48 @@ def new_run_id() -> str:
     return f"run_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
 
 
-def _sync(coro: Coroutine[Any, Any, R]) -> R:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    coro.close()
-    raise DurablyError(
-        "a blocking App method was called inside a running event loop; await its _async "
-        "variant instead (e.g. await app.run_async(...))"
-    )
+class LoopThread:
+    """One event loop on a daemon thread, where an App's blocking methods run.
+
+    Every blocking call shares it, so a store's connection pool (bound to a loop) lives as
+    long as the App instead of being rebuilt, and leaked, on each ``asyncio.run``.
+    """
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def running(self) -> bool:
+        return self._loop is not None
+
+    def call(self, coro: Coroutine[Any, Any, R]) -> R:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            coro.close()
+            raise DurablyError(
+                "a blocking App method was called inside a running event loop; await its "
+                "_async variant instead (e.g. await app.run_async(...))"
+            )
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._loop.run_forever, name="durably-app-loop", daemon=True
+                )
+                self._thread.start()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    def stop(self) -> None:
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()

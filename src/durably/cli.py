@@ -102,7 +102,7 @@ def _run(app: App, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         try:
             return await make()
         finally:
-            await app.close()
+            await app.close_async()
 
     return asyncio.run(main())
 

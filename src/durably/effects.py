@@ -129,6 +129,11 @@ class Effect:
 
     async def settle(self) -> Any:
         metrics = self.ctx.app.metrics
+        if self.op is None or self.op.status not in (
+            OperationStatus.SUCCEEDED,
+            OperationStatus.COMPENSATED,
+        ):
+            await self.ctx.boundary()
         while True:
             op = self.op
             action = decide(

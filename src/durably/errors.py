@@ -14,6 +14,7 @@
     ├── LeaseLostError              another worker owns the run now; this one must stop
     ├── CheckpointCorrupted         checksum mismatch and no verified fallback
     ├── SchemaTooNew                the database was migrated by newer code
+    ├── StoreUnavailable            the database cannot be reached or refused the transaction
     ├── StepFailed                  a step or tool failed for good; raised inside the workflow
     ├── ToolError                   raised BY a tool to state the failure category
     └── OutcomeUnknown              raised BY a tool: the request may have taken effect
@@ -90,6 +91,12 @@ class CheckpointCorrupted(DurablyError):
 
 class SchemaTooNew(DurablyError):
     """The database schema was written by a newer durably than this one."""
+
+
+class StoreUnavailable(DurablyError):
+    """The database could not be reached, or a transaction failed for a reason outside
+    durably (connection lost, disk full). Nothing of that transaction was applied unless the
+    connection broke during COMMIT; either way the run is picked up again from the store."""
 
 
 class StepFailed(DurablyError):

@@ -26,6 +26,7 @@ from durably.errors import (
     NotJSONSerializable,
     PayloadTooLarge,
     StepFailed,
+    StoreUnavailable,
 )
 from durably.keys import canonical_json, input_hash, sha256_hex
 from durably.status import OperationStatus, PauseReason, RunStatus, StepStatus
@@ -53,7 +54,7 @@ CHECKPOINTS_READ = 3
 """Checkpoints read on resume; more are read only when all of these fail their checksum."""
 
 
-_PAUSE_REASONS = {
+_PAUSE_REASONS: dict[type[Exception], PauseReason] = {
     NonDeterminismError: PauseReason.NON_DETERMINISM,
     IdempotencyConflict: PauseReason.IDEMPOTENCY_CONFLICT,
     CheckpointCorrupted: PauseReason.CHECKPOINT_CORRUPTED,
@@ -85,6 +86,10 @@ class RunContext:
     counters: Counter[str] = field(default_factory=Counter)
     positions: int = 0
     stopped: bool = False
+    """Set when this execution must write nothing more: the lease is lost or the store
+    failed. The store, read again by whoever continues the run, is then the truth."""
+    draining: asyncio.Event | None = None
+    """Set when the worker shuts down: the run is released at its next call boundary."""
     by_position: dict[int, StepRecord] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -98,10 +103,21 @@ class RunContext:
         self.counters[name] += 1
         return (explicit or f"{name}#{self.counters[name]}"), self.positions
 
+    async def boundary(self) -> None:
+        """Before a call starts: release the run here if the worker is shutting down."""
+        if self.draining is not None and self.draining.is_set() and not self.stopped:
+            await self.commit(
+                Transition(
+                    events=[EventWrite("run_released", None, {"reason": "shutdown"})], release=True
+                )
+            )
+            self.stopped = True
+            raise Suspend
+
     async def commit(self, transition: Transition) -> Committed:
         try:
             committed = await self.store.commit(self.lease, transition)
-        except LeaseLostError:
+        except (LeaseLostError, StoreUnavailable):
             self.stopped = True
             raise
         if transition.checkpoint is not None:
@@ -156,6 +172,8 @@ async def call_step(
     ih = input_hash(sdef.name, sdef.version, arguments)
     ctx.replayed(step_id, position, "step", sdef.name, ih)
     recorded = ctx.steps.get(step_id)
+    if recorded is None:
+        await ctx.boundary()
     if recorded is not None and recorded.status is StepStatus.SUCCEEDED:
         return json.loads(recorded.output_json or "null")
     if recorded is not None and recorded.status is StepStatus.FAILED:
@@ -315,8 +333,19 @@ async def load_context(app: App, claim: Claim) -> RunContext:
     return ctx
 
 
-async def drive(app: App, claim: Claim) -> None:
-    """Execute a claimed run until it completes, fails, pauses or waits; then release it."""
+async def drive(app: App, claim: Claim, draining: asyncio.Event | None = None) -> None:
+    """Execute a claimed run until it completes, fails, pauses or waits; then release it.
+
+    If the lease is lost or the store fails, this execution stops writing and returns; the
+    run is continued from what the store holds, by this worker or another.
+    """
+    try:
+        await _drive(app, claim, draining)
+    except (LeaseLostError, StoreUnavailable) as exc:
+        log.warning("run %s: stopped executing (%s)", claim.run.run_id, exc)
+
+
+async def _drive(app: App, claim: Claim, draining: asyncio.Event | None) -> None:
     if claim.recovered:
         app.metrics.lease_expired.inc()
     wf = app.workflow_def(claim.run.workflow)
@@ -328,6 +357,7 @@ async def drive(app: App, claim: Claim) -> None:
     for op in ctx.operations.values():
         if op.status not in (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED):
             app.metrics.step_recovery.labels(state=op.status.value).inc()
+    ctx.draining = draining
     heartbeat = asyncio.create_task(_heartbeat(ctx))
     token = context._run.set(ctx)
     try:
@@ -337,16 +367,21 @@ async def drive(app: App, claim: Claim) -> None:
             result = await wf.fn(*args, **kwargs)
         except Suspend:
             return
-        except LeaseLostError:
-            log.warning("run %s: lease lost; another worker continues it", ctx.run.run_id)
-            return
-        except (NonDeterminismError, IdempotencyConflict, CheckpointCorrupted) as exc:
-            # The code or the data changed under the run: a person must look; failing it
-            # would be final, and guessing would be worse.
-            await _finish(app, ctx.lease, RunStatus.PAUSED, _PAUSE_REASONS[type(exc)], exc, ctx)
-            return
         except Exception as exc:
-            await _finish(app, ctx.lease, RunStatus.FAILED, None, exc, ctx)
+            if ctx.stopped:
+                # Lease lost or store failure, possibly swallowed and re-raised as something
+                # else by workflow code: nothing more is written from here.
+                log.warning("run %s: stopped (%r)", ctx.run.run_id, exc)
+                return
+            reason = _PAUSE_REASONS.get(type(exc))
+            if reason is not None:
+                # The code or the data changed under the run: a person must look; failing
+                # it would be final, and guessing would be worse.
+                await _finish(app, ctx.lease, RunStatus.PAUSED, reason, exc, ctx)
+            else:
+                await _finish(app, ctx.lease, RunStatus.FAILED, None, exc, ctx)
+            return
+        if ctx.stopped:
             return
         try:
             result_json = canonical_json(
@@ -394,8 +429,8 @@ async def _finish(
                 release=True,
             ),
         )
-    except LeaseLostError:
-        log.warning("run %s: lease lost before recording %s", lease.run_id, status)
+    except (LeaseLostError, StoreUnavailable) as lost:
+        log.warning("run %s: could not record %s (%s)", lease.run_id, status, lost)
 
 
 async def _heartbeat(ctx: RunContext) -> None:
@@ -407,3 +442,6 @@ async def _heartbeat(ctx: RunContext) -> None:
         except LeaseLostError:
             ctx.stopped = True
             return
+        except StoreUnavailable as exc:
+            # The next heartbeat or commit tries again; the lease may still be ours.
+            log.warning("run %s: heartbeat failed (%s)", ctx.run.run_id, exc)

@@ -2,8 +2,8 @@
 
 A run whose worker died keeps its lease until ``lease_until``; after that any worker claims
 it, and the runtime reconciles its in-flight effects before anything else (never a blind
-re-execution). SIGTERM/SIGINT stop claiming new runs and let the current ones reach their
-next boundary.
+re-execution). SIGTERM/SIGINT stop claiming new runs; a run in progress is released at
+its next call boundary (never in the middle of an effect) for another worker to continue.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from durably import runtime
+from durably.errors import ConfigurationError, StoreUnavailable
 
 if TYPE_CHECKING:
     from durably.app import App
@@ -33,7 +35,11 @@ def worker_id(kind: str) -> str:
 
 
 class Worker:
-    """Executes an app's runs: ``app.worker(concurrency=4).run()``."""
+    """Executes an app's runs: ``app.worker(concurrency=4).run()``.
+
+    ``concurrency`` runs are executed at once in this process; run as many processes, on
+    as many machines, as the store allows (SQLite: one machine; PostgreSQL: any).
+    """
 
     def __init__(
         self,
@@ -43,54 +49,106 @@ class Worker:
         lease_ttl: timedelta = timedelta(seconds=30),
         poll_interval: timedelta = timedelta(milliseconds=500),
     ) -> None:
+        if concurrency < 1:
+            raise ConfigurationError("worker concurrency must be at least 1")
         self.app = app
         self.concurrency = concurrency
         self.lease_ttl_s = lease_ttl.total_seconds()
         self.poll_interval_s = poll_interval.total_seconds()
         self.worker_id = worker_id("worker")
         self.executed = 0
+        """Run executions performed (a run that waits and resumes counts each time)."""
         self._stopping = asyncio.Event()
+        self._work = asyncio.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def stop(self) -> None:
-        """Stop claiming; runs in progress finish their current boundary."""
+        """Stop claiming; each run in progress is released at its next call boundary.
+
+        Safe to call from any thread or a signal handler.
+        """
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(self._stop_now)
+        else:
+            self._stopping.set()
+
+    def _stop_now(self) -> None:
         self._stopping.set()
+        asyncio.get_running_loop().create_task(self._wake_all())
 
     def run(self, *, until_idle: bool = False) -> int:
-        """Block running the worker; returns how many run executions it performed."""
-        return asyncio.run(self.run_async(until_idle=until_idle))
+        """Block running the worker until stopped (SIGTERM/SIGINT) or, with ``until_idle``,
+        until no run is runnable now. Returns how many run executions it performed."""
+        handled = (signal.SIGTERM, signal.SIGINT)
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in handled:
+                previous[sig] = signal.signal(sig, lambda *_: self.stop())
+        try:
+            # On the App's own loop: the store's connections are shared, not reopened.
+            return self.app._loop.call(self.run_async(until_idle=until_idle))
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     async def run_async(self, *, until_idle: bool = False) -> int:
+        self._loop = asyncio.get_running_loop()
         await self.app.open()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, self.stop)
+        listener = asyncio.create_task(self._listen())
         slots = [asyncio.create_task(self._slot(until_idle)) for _ in range(self.concurrency)]
         try:
             await asyncio.gather(*slots)
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                    loop.remove_signal_handler(sig)
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
         return self.executed
+
+    async def _listen(self) -> None:
+        """Wake the idle slots when the store says a run became runnable."""
+        store = self.app.store
+        while not self._stopping.is_set():
+            try:
+                notified = await store.wait_for_work(self.poll_interval_s)
+            except StoreUnavailable:
+                await asyncio.sleep(self.poll_interval_s)
+                continue
+            if notified:
+                await self._wake_all()
+
+    async def _wake_all(self) -> None:
+        async with self._work:
+            self._work.notify_all()
 
     async def _slot(self, until_idle: bool) -> None:
         store = self.app.store
         workflows = self.app.workflows
+        backoff = self.poll_interval_s
         while not self._stopping.is_set():
-            claim = await store.claim_next(self.worker_id, self.lease_ttl_s, workflows)
+            try:
+                claim = await store.claim_next(self.worker_id, self.lease_ttl_s, workflows)
+                if claim is None and not until_idle:
+                    wakeup = await store.next_wakeup(workflows)
+            except StoreUnavailable as exc:
+                # The database is down or restarting: keep trying, a little slower each time.
+                log.warning("worker %s: store unavailable (%s); retrying", self.worker_id, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            backoff = self.poll_interval_s
             if claim is not None:
                 self.executed += 1
                 try:
-                    await runtime.drive(self.app, claim)
+                    await runtime.drive(self.app, claim, self._stopping)
                 except Exception:
                     log.exception("run %s: unexpected error in the runtime", claim.run.run_id)
                 continue
             if until_idle:
                 return
-            wakeup = await store.next_wakeup(workflows)
             delay = self.poll_interval_s
             if wakeup is not None:
                 delay = min(delay, max(wakeup - time.time(), 0.0))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), timeout=max(delay, 0.01))
+            async with self._work:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._work.wait(), timeout=max(delay, 0.01))

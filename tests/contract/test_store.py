@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import pytest
@@ -26,16 +26,25 @@ from durably.store.base import (
 
 T = TypeVar("T")
 
+# One event loop per test: a PostgreSQL pool belongs to the loop that opened it.
+_loop: asyncio.AbstractEventLoop | None = None
+
 
 def run(coro: Awaitable[T]) -> T:
-    return asyncio.run(coro)  # type: ignore[arg-type]
+    assert _loop is not None
+    return _loop.run_until_complete(coro)
 
 
 @pytest.fixture
-def store(database_url: str) -> Store:
+def store(database_url: str) -> Iterator[Store]:
+    global _loop  # noqa: PLW0603 - the loop of the running test, for run()
+    _loop = asyncio.new_event_loop()
     s = open_store(database_url)
     run(s.migrate())
-    return s
+    yield s
+    run(s.close())
+    _loop.close()
+    _loop = None
 
 
 def new_run(run_id: str = "r1", workflow: str = "wf") -> NewRun:
@@ -258,5 +267,7 @@ def test_newer_schema_is_refused(
 ) -> None:
     """A database migrated by newer code is refused with SchemaTooNew, and left untouched."""
     bump_schema(database_url)
+    newer = open_store(database_url)
     with pytest.raises(SchemaTooNew):
-        run(open_store(database_url).migrate())
+        run(newer.migrate())
+    run(newer.close())

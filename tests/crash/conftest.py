@@ -6,7 +6,6 @@ is what happened. Each test has its own durably database and its own customer.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -21,7 +20,7 @@ import pytest
 
 import durably
 from durably.examples.shop import ShopService
-from durably.store.base import EventRecord
+from durably.store.base import Event
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE_TTL_S = 0.5
@@ -170,12 +169,8 @@ class Harness:
         effect = self.effect(run_id, step_id)
         return None if effect is None else str(effect["status"])
 
-    def events(self, run_id: str) -> list[EventRecord]:
-        async def read() -> list[EventRecord]:
-            store = await self.app.open()
-            return await store.events(run_id)
-
-        return asyncio.run(read())
+    def events(self, run_id: str) -> list[Event]:
+        return self.app.events(run_id)
 
     def resolve(
         self,
@@ -189,7 +184,7 @@ class Harness:
 
     def close(self) -> None:
         if self._app is not None:
-            asyncio.run(self._app.close())
+            self._app.close()
             self._app = None
 
 

@@ -56,7 +56,7 @@ async def main(argv: list[str]) -> dict[str, Any]:
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     finally:
-        await app.close()
+        await app.close_async()
     return {
         "run_id": run.run_id,
         "status": run.status.value,

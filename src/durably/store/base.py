@@ -10,14 +10,20 @@ of a transition or none of it.
 from __future__ import annotations
 
 import abc
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from durably.checkpoint import CheckpointDraft
+from durably.errors import LeaseLostError
 from durably.status import OperationStatus, RunStatus, StepStatus
 
 RUNNABLE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RECONCILING)
+
+
+Row = Any
+"""A database row addressable by column name (sqlite3.Row, a psycopg dict row)."""
 
 
 def loads(text: str | None) -> Any:
@@ -92,7 +98,7 @@ class OperationRecord:
 
 
 @dataclass(frozen=True)
-class EventRecord:
+class Event:
     run_id: str
     sequence: int
     event_id: str
@@ -286,7 +292,7 @@ class Store(abc.ABC):
     async def load_journal(self, run_id: str, *, checkpoints: int = 3) -> Journal | None: ...
 
     @abc.abstractmethod
-    async def events(self, run_id: str, *, after: int = 0) -> list[EventRecord]: ...
+    async def events(self, run_id: str, *, after: int = 0) -> list[Event]: ...
 
     @abc.abstractmethod
     async def checkpoints(self, run_id: str) -> list[StoredCheckpoint]:
@@ -295,3 +301,96 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def next_wakeup(self, workflows: list[str]) -> float | None:
         """When the next runnable run of ``workflows`` becomes due (None: nothing runnable)."""
+
+    async def wait_for_work(self, timeout_s: float) -> bool:
+        """Sleep until a run may have become runnable (True) or ``timeout_s`` passed (False).
+
+        The default just sleeps (callers poll); a backend with notifications wakes earlier.
+        """
+        await asyncio.sleep(timeout_s)
+        return False
+
+
+def lease_lost(lease: Lease) -> LeaseLostError:
+    return LeaseLostError(
+        f"lease on run {lease.run_id} (owner {lease.owner}, epoch {lease.epoch}) was lost: "
+        "another worker took the run over; this worker stops working on it",
+        run_id=lease.run_id,
+    )
+
+
+# -- rows to records (both backends name their columns alike) ------------------------
+
+
+def run_from_row(r: Row) -> RunRecord:
+    return RunRecord(
+        run_id=r["run_id"],
+        tenant=r["tenant_id"],
+        workflow=r["workflow"],
+        workflow_version=r["workflow_version"],
+        plan_version=r["plan_version"],
+        status=RunStatus(r["status"]),
+        status_reason=r["status_reason"],
+        input=loads(r["input_json"]),
+        input_hash=r["input_hash"],
+        result_json=r["result_json"],
+        error=loads(r["error_json"]),
+        waiting_for=loads(r["waiting_for_json"]),
+        lease_owner=r["lease_owner"],
+        lease_until=r["lease_until"],
+        lease_epoch=r["lease_epoch"],
+        state_version=r["state_version"],
+        last_sequence=r["last_sequence"],
+        available_at=r["available_at"],
+        created_at=r["created_at"],
+        updated_at=r["updated_at"],
+    )
+
+
+def step_from_row(r: Row) -> StepRecord:
+    return StepRecord(
+        run_id=r["run_id"],
+        step_id=r["step_id"],
+        position=r["position"],
+        kind=r["kind"],
+        name=r["name"],
+        status=StepStatus(r["status"]),
+        input_hash=r["input_hash"],
+        output_json=r["output_json"],
+        error=loads(r["error_json"]),
+        idempotency_key=r["idempotency_key"],
+        attempts=r["attempts"],
+        settled_sequence=r["settled_sequence"],
+        created_at=r["created_at"],
+        updated_at=r["updated_at"],
+    )
+
+
+def operation_from_row(r: Row) -> OperationRecord:
+    return OperationRecord(
+        tenant=r["tenant_id"],
+        idempotency_key=r["idempotency_key"],
+        run_id=r["run_id"],
+        step_id=r["step_id"],
+        plan_version=r["plan_version"],
+        tool=r["tool_name"],
+        tool_version=r["tool_version"],
+        input_hash=r["input_hash"],
+        arguments=loads(r["arguments_json"]),
+        status=OperationStatus(r["status"]),
+        result_json=r["result_json"],
+        error=loads(r["error_json"]),
+        failure_category=r["failure_category"],
+        external_operation_id=r["external_operation_id"],
+        attempt=r["attempt"],
+        lease_owner=r["lease_owner"],
+        lease_until=r["lease_until"],
+        lease_epoch=r["lease_epoch"],
+        row_version=r["row_version"],
+        created_at=r["created_at"],
+        updated_at=r["updated_at"],
+    )
+
+
+def checkpoint_from_row(r: Row) -> StoredCheckpoint:
+    return StoredCheckpoint(payload=loads(r["payload_json"]), checksum=r["checksum"])

@@ -15,25 +15,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from durably.errors import ConfigurationError, InvalidTransition, LeaseLostError
+from durably.errors import ConfigurationError, InvalidTransition, StoreUnavailable
 from durably.keys import plain_json
-from durably.status import OperationStatus, RunStatus, StepStatus
+from durably.status import RunStatus
 from durably.store.base import (
     RUNNABLE,
     Claim,
     Committed,
-    EventRecord,
+    Event,
     Expect,
     Journal,
     Lease,
     NewRun,
-    OperationRecord,
     RunRecord,
-    StepRecord,
     Store,
     StoredCheckpoint,
     Transition,
+    checkpoint_from_row,
+    lease_lost,
     loads,
+    operation_from_row,
+    run_from_row,
+    step_from_row,
 )
 from durably.store.migrations import Migrator, split_statements
 
@@ -85,13 +88,17 @@ class SQLiteStore(Store):
         # BEGIN IMMEDIATE takes the write lock up front, so two writers never deadlock
         # upgrading read locks, and a read-then-write (claims) is atomic.
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
             try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+                self._conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                # Locked past the busy timeout, disk full, I/O error: not the run's fault.
+                raise StoreUnavailable(f"{self.url}: {exc}") from exc
 
     # -- schema -------------------------------------------------------------------------
 
@@ -145,7 +152,7 @@ class SQLiteStore(Store):
             row = db.execute("SELECT * FROM durably_runs WHERE run_id = ?", (new.run_id,))
             existing = row.fetchone()
             if existing is not None:
-                return _run(existing), False
+                return run_from_row(existing), False
             db.execute(
                 "INSERT INTO durably_runs (run_id, tenant_id, workflow, workflow_version, "
                 "status, input_json, input_hash, last_sequence, state_version, available_at, "
@@ -165,7 +172,7 @@ class SQLiteStore(Store):
             payload = {"workflow": new.workflow, "version": new.workflow_version}
             self._insert_event(db, new.run_id, 1, "run_started", None, payload, now)
             created = db.execute("SELECT * FROM durably_runs WHERE run_id = ?", (new.run_id,))
-            return _run(created.fetchone()), True
+            return run_from_row(created.fetchone()), True
 
     async def claim_run(self, run_id: str, owner: str, ttl_s: float) -> Claim | None:
         with self._tx() as db:
@@ -209,7 +216,7 @@ class SQLiteStore(Store):
             "WHERE run_id = ? RETURNING *",
             (owner, now + ttl_s, now, run_id),
         ).fetchone()
-        run = _run(row)
+        run = run_from_row(row)
         if recovered:
             sequence = db.execute(
                 "UPDATE durably_runs SET last_sequence = last_sequence + 1 WHERE run_id = ? "
@@ -231,7 +238,7 @@ class SQLiteStore(Store):
                 (until, lease.run_id, lease.owner, lease.epoch),
             )
             if cur.rowcount != 1:
-                raise _lease_lost(lease)
+                raise lease_lost(lease)
         return until
 
     async def commit(self, guard: Lease | Expect, transition: Transition) -> Committed:
@@ -258,7 +265,7 @@ class SQLiteStore(Store):
                     ),
                 ).fetchone()
                 if fenced is None:
-                    raise _lease_lost(guard)
+                    raise lease_lost(guard)
             else:
                 fenced = db.execute(
                     "UPDATE durably_runs SET last_sequence = last_sequence + ?, "
@@ -454,7 +461,7 @@ class SQLiteStore(Store):
             row = self._conn.execute(
                 "SELECT * FROM durably_runs WHERE run_id = ?", (run_id,)
             ).fetchone()
-        return None if row is None else _run(row)
+        return None if row is None else run_from_row(row)
 
     async def list_runs(
         self, *, status: RunStatus | None = None, workflow: str | None = None, limit: int = 100
@@ -465,7 +472,7 @@ class SQLiteStore(Store):
                 "AND (? IS NULL OR workflow = ?) ORDER BY created_at DESC, run_id LIMIT ?",
                 (status, status, workflow, workflow, limit),
             ).fetchall()
-        return [_run(r) for r in rows]
+        return [run_from_row(r) for r in rows]
 
     async def load_journal(self, run_id: str, *, checkpoints: int = 3) -> Journal | None:
         # A deferred transaction gives one consistent snapshot of the three tables.
@@ -496,20 +503,20 @@ class SQLiteStore(Store):
             finally:
                 self._conn.execute("COMMIT")
         return Journal(
-            run=_run(row),
-            steps=[_step(s) for s in steps],
-            operations=[_operation(o) for o in ops],
-            checkpoints=[_checkpoint(c) for c in cps],
+            run=run_from_row(row),
+            steps=[step_from_row(s) for s in steps],
+            operations=[operation_from_row(o) for o in ops],
+            checkpoints=[checkpoint_from_row(c) for c in cps],
         )
 
-    async def events(self, run_id: str, *, after: int = 0) -> list[EventRecord]:
+    async def events(self, run_id: str, *, after: int = 0) -> list[Event]:
         with self._lock:
             rows = self._conn.execute(
                 "SELECT * FROM durably_events WHERE run_id = ? AND sequence > ? ORDER BY sequence",
                 (run_id, after),
             ).fetchall()
         return [
-            EventRecord(
+            Event(
                 run_id=r["run_id"],
                 sequence=r["sequence"],
                 event_id=f"{r['run_id']}:{r['sequence']}",
@@ -528,7 +535,7 @@ class SQLiteStore(Store):
                 "ORDER BY state_version DESC",
                 (run_id,),
             ).fetchall()
-        return [_checkpoint(r) for r in rows]
+        return [checkpoint_from_row(r) for r in rows]
 
     async def next_wakeup(self, workflows: list[str]) -> float | None:
         if not workflows:
@@ -543,85 +550,3 @@ class SQLiteStore(Store):
                 (*workflows, now),
             ).fetchone()
         return None if row[0] is None else float(row[0])
-
-
-def _lease_lost(lease: Lease) -> LeaseLostError:
-    return LeaseLostError(
-        f"lease on run {lease.run_id} (owner {lease.owner}, epoch {lease.epoch}) was lost: "
-        "another worker took the run over; this worker stops working on it",
-        run_id=lease.run_id,
-    )
-
-
-def _run(r: sqlite3.Row) -> RunRecord:
-    return RunRecord(
-        run_id=r["run_id"],
-        tenant=r["tenant_id"],
-        workflow=r["workflow"],
-        workflow_version=r["workflow_version"],
-        plan_version=r["plan_version"],
-        status=RunStatus(r["status"]),
-        status_reason=r["status_reason"],
-        input=loads(r["input_json"]),
-        input_hash=r["input_hash"],
-        result_json=r["result_json"],
-        error=loads(r["error_json"]),
-        waiting_for=loads(r["waiting_for_json"]),
-        lease_owner=r["lease_owner"],
-        lease_until=r["lease_until"],
-        lease_epoch=r["lease_epoch"],
-        state_version=r["state_version"],
-        last_sequence=r["last_sequence"],
-        available_at=r["available_at"],
-        created_at=r["created_at"],
-        updated_at=r["updated_at"],
-    )
-
-
-def _step(r: sqlite3.Row) -> StepRecord:
-    return StepRecord(
-        run_id=r["run_id"],
-        step_id=r["step_id"],
-        position=r["position"],
-        kind=r["kind"],
-        name=r["name"],
-        status=StepStatus(r["status"]),
-        input_hash=r["input_hash"],
-        output_json=r["output_json"],
-        error=loads(r["error_json"]),
-        idempotency_key=r["idempotency_key"],
-        attempts=r["attempts"],
-        settled_sequence=r["settled_sequence"],
-        created_at=r["created_at"],
-        updated_at=r["updated_at"],
-    )
-
-
-def _operation(r: sqlite3.Row) -> OperationRecord:
-    return OperationRecord(
-        tenant=r["tenant_id"],
-        idempotency_key=r["idempotency_key"],
-        run_id=r["run_id"],
-        step_id=r["step_id"],
-        plan_version=r["plan_version"],
-        tool=r["tool_name"],
-        tool_version=r["tool_version"],
-        input_hash=r["input_hash"],
-        arguments=loads(r["arguments_json"]),
-        status=OperationStatus(r["status"]),
-        result_json=r["result_json"],
-        error=loads(r["error_json"]),
-        failure_category=r["failure_category"],
-        external_operation_id=r["external_operation_id"],
-        attempt=r["attempt"],
-        lease_owner=r["lease_owner"],
-        lease_until=r["lease_until"],
-        lease_epoch=r["lease_epoch"],
-        row_version=r["row_version"],
-        created_at=r["created_at"],
-        updated_at=r["updated_at"],
-    )
-
-
-def _checkpoint(r: sqlite3.Row) -> StoredCheckpoint:
-    return StoredCheckpoint(payload=loads(r["payload_json"]), checksum=r["checksum"])

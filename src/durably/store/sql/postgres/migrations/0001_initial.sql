@@ -1,0 +1,109 @@
+-- durably schema v1 for PostgreSQL. Times are UTC unix seconds (double precision) taken
+-- from the server's clock (now()), so leases never depend on a worker's wall clock.
+-- JSON is TEXT: checkpoints are checksummed over their exact text, and the same canonical
+-- text is what SQLite stores.
+
+CREATE TABLE durably_runs (
+    run_id            TEXT PRIMARY KEY,
+    tenant_id         TEXT NOT NULL,
+    workflow          TEXT NOT NULL,
+    workflow_version  TEXT NOT NULL,
+    plan_version      INTEGER NOT NULL DEFAULT 1,
+    status            TEXT NOT NULL CHECK (status IN ('queued', 'running', 'waiting_approval',
+                        'waiting_external', 'paused', 'reconciling', 'completed', 'failed',
+                        'cancelled')),
+    status_reason     TEXT,
+    input_json        TEXT NOT NULL,
+    input_hash        TEXT NOT NULL,
+    result_json       TEXT,
+    error_json        TEXT,
+    waiting_for_json  TEXT,
+    lease_owner       TEXT,
+    lease_until       DOUBLE PRECISION,
+    lease_epoch       BIGINT NOT NULL DEFAULT 0,
+    state_version     BIGINT NOT NULL DEFAULT 0,
+    last_sequence     BIGINT NOT NULL DEFAULT 0,
+    available_at      DOUBLE PRECISION NOT NULL,
+    created_at        DOUBLE PRECISION NOT NULL,
+    updated_at        DOUBLE PRECISION NOT NULL
+);
+
+-- Claims scan only runnable runs; a partial index keeps finished runs out of it.
+CREATE INDEX durably_runs_runnable ON durably_runs (available_at, created_at)
+    WHERE status IN ('queued', 'running', 'reconciling');
+CREATE INDEX durably_runs_created ON durably_runs (created_at);
+
+CREATE TABLE durably_steps (
+    run_id            TEXT NOT NULL REFERENCES durably_runs (run_id),
+    step_id           TEXT NOT NULL,
+    position          INTEGER NOT NULL,
+    kind              TEXT NOT NULL CHECK (kind IN ('step', 'tool')),
+    name              TEXT NOT NULL,
+    status            TEXT NOT NULL CHECK (status IN ('pending', 'ready', 'intent_recorded',
+                        'executing', 'succeeded', 'failed', 'unknown', 'reconciling',
+                        'waiting_approval', 'cancelled')),
+    input_hash        TEXT NOT NULL,
+    output_json       TEXT,
+    error_json        TEXT,
+    idempotency_key   TEXT,
+    attempts          INTEGER NOT NULL DEFAULT 0,
+    settled_sequence  BIGINT,
+    created_at        DOUBLE PRECISION NOT NULL,
+    updated_at        DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (run_id, step_id)
+);
+
+CREATE TABLE durably_tool_operations (
+    tenant_id              TEXT NOT NULL,
+    idempotency_key        TEXT NOT NULL,
+    run_id                 TEXT NOT NULL REFERENCES durably_runs (run_id),
+    step_id                TEXT NOT NULL,
+    plan_version           INTEGER NOT NULL,
+    tool_name              TEXT NOT NULL,
+    tool_version           TEXT NOT NULL,
+    input_hash             TEXT NOT NULL,
+    arguments_json         TEXT NOT NULL,
+    status                 TEXT NOT NULL CHECK (status IN ('intent_recorded', 'executing',
+                             'succeeded', 'failed', 'unknown', 'reconciling', 'compensated')),
+    result_json            TEXT,
+    error_json             TEXT,
+    failure_category       TEXT,
+    external_operation_id  TEXT,
+    attempt                INTEGER NOT NULL DEFAULT 0,
+    lease_owner            TEXT,
+    lease_until            DOUBLE PRECISION,
+    lease_epoch            BIGINT,
+    row_version            BIGINT NOT NULL DEFAULT 0,
+    created_at             DOUBLE PRECISION NOT NULL,
+    updated_at             DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (tenant_id, idempotency_key)
+);
+
+-- The event log is also the transactional outbox (see the SQLite schema for why).
+CREATE TABLE durably_events (
+    run_id        TEXT NOT NULL REFERENCES durably_runs (run_id),
+    sequence      BIGINT NOT NULL,
+    type          TEXT NOT NULL,
+    step_id       TEXT,
+    payload_json  TEXT NOT NULL,
+    created_at    DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (run_id, sequence)
+);
+
+CREATE TABLE durably_checkpoints (
+    run_id               TEXT NOT NULL REFERENCES durably_runs (run_id),
+    state_version        BIGINT NOT NULL,
+    last_event_sequence  BIGINT NOT NULL,
+    schema_version       INTEGER NOT NULL,
+    payload_json         TEXT NOT NULL,
+    checksum             TEXT NOT NULL,
+    created_at           DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (run_id, state_version)
+);
+
+CREATE TABLE durably_inbox (
+    consumer      TEXT NOT NULL,
+    event_id      TEXT NOT NULL,
+    received_at   DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (consumer, event_id)
+);
