@@ -93,7 +93,13 @@ class Worker:
                 signal.signal(sig, handler)
 
     async def run_async(self, *, until_idle: bool = False) -> int:
-        self._loop = asyncio.get_running_loop()
+        """The worker on the running loop; handles SIGTERM/SIGINT if that is the main one."""
+        loop = self._loop = asyncio.get_running_loop()
+        handled: list[signal.Signals] = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+                handled.append(sig)
         await self.app.open()
         listener = asyncio.create_task(self._listen())
         slots = [asyncio.create_task(self._slot(until_idle)) for _ in range(self.concurrency)]
@@ -103,6 +109,8 @@ class Worker:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await listener
+            for sig in handled:
+                loop.remove_signal_handler(sig)
         return self.executed
 
     async def _listen(self) -> None:

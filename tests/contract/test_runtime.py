@@ -579,3 +579,56 @@ def test_checkpoints_carry_every_field(make_app: MakeApp) -> None:
     intent = payloads[-1]
     assert intent["pending_action"]["step_id"] == "t#1"
     assert json.dumps(payloads)  # everything is JSON
+
+
+def test_tool_timeout_is_an_unknown_outcome(make_app: MakeApp) -> None:
+    """A call cut off by timeout= may still have taken effect: unknown, never 'failed'."""
+    app = make_app()
+
+    @app.tool(timeout=timedelta(milliseconds=50))
+    async def slow() -> str:
+        await asyncio.sleep(5)
+        return "late"
+
+    @app.workflow()
+    async def wf() -> str:
+        return await slow()
+
+    run = app.run(wf)
+    assert run.status is RunStatus.PAUSED
+    effect = app.describe(run.run_id)["effects"][0]
+    assert effect["status"] == "unknown"
+    assert effect["error"]["type"] == "TimeoutError"
+
+
+def test_classify_maps_exceptions_to_categories(make_app: MakeApp) -> None:
+    """classify= is asked first; ToolError states its own; the rest follow the defaults."""
+    app = make_app()
+    calls = Counter[str]()
+
+    class Throttled(Exception):
+        pass
+
+    def classify(exc: BaseException) -> FailureCategory | None:
+        return FailureCategory.RATE_LIMIT if isinstance(exc, Throttled) else None
+
+    @app.tool(classify=classify, retry=FAST)
+    def api() -> str:
+        calls["api"] += 1
+        if calls["api"] == 1:
+            raise Throttled
+        if calls["api"] == 2:
+            raise ConnectionRefusedError
+        return "ok"
+
+    @app.workflow()
+    async def wf() -> str:
+        return await api()
+
+    run = app.run(wf)
+    assert run.status is RunStatus.COMPLETED
+    assert calls["api"] == 3
+    categories = [
+        e.payload.get("category") for e in app.events(run.run_id) if e.type == "effect_failed"
+    ]
+    assert categories == ["RATE_LIMIT", "TRANSIENT_BEFORE_SEND"]

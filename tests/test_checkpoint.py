@@ -1,0 +1,80 @@
+"""Checkpoints: checksums, verification of the journal, and migrations of old payloads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from durably import checkpoint as cp
+from durably.errors import CheckpointCorrupted
+from durably.keys import sha256_hex
+
+
+def sealed(state: cp.JournalState, sequence: int, version: int = 1) -> tuple[dict[str, Any], str]:
+    c, _ = state.draft(status="running", current_step=None).seal(
+        state_version=version, last_event_sequence=sequence
+    )
+    return c.payload(), c.checksum
+
+
+def test_tampered_payload_fails_its_checksum() -> None:
+    payload, checksum = sealed(cp.JournalState("r"), 1)
+    assert cp.from_stored(dict(payload), checksum).run_id == "r"
+    payload["status"] = "completed"
+    with pytest.raises(CheckpointCorrupted):
+        cp.from_stored(payload, checksum)
+
+
+def test_journal_is_verified_against_anchor_and_events() -> None:
+    """Results up to the anchor match its digest; later ones must match their events."""
+    state = cp.JournalState("r")
+    state.settle("a#1", "1")
+    anchor = sealed(state, 2)
+    results = [
+        cp.SettledResult("a#1", 2, sha256_hex("1")),
+        cp.SettledResult("b#1", 3, sha256_hex("2")),
+    ]
+    ok = cp.verify_journal(results, [anchor], lambda seq: {"b#1": sha256_hex("2")})
+    assert ok.anchor is not None
+    assert ok.corrupted_checkpoints == []
+    with pytest.raises(CheckpointCorrupted):
+        cp.verify_journal(results, [anchor], lambda seq: {"b#1": sha256_hex("999")})
+    altered = [cp.SettledResult("a#1", 2, sha256_hex("100")), results[1]]
+    with pytest.raises(CheckpointCorrupted):
+        cp.verify_journal(altered, [anchor], lambda seq: {"b#1": sha256_hex("2")})
+
+
+def test_a_corrupted_newest_checkpoint_falls_back_to_an_older_one() -> None:
+    state = cp.JournalState("r")
+    older = sealed(state, 1, version=1)
+    state.settle("a#1", "1")
+    newest_payload, newest_checksum = sealed(state, 2, version=2)
+    newest_payload["current_step"] = "forged"
+    result = cp.verify_journal(
+        [cp.SettledResult("a#1", 2, sha256_hex("1"))],
+        [(newest_payload, newest_checksum), older],
+        lambda seq: {"a#1": sha256_hex("1")},
+    )
+    assert result.anchor is not None
+    assert result.anchor.state_version == 1
+    assert result.corrupted_checkpoints == ["r:2"]
+
+
+def test_old_schema_versions_are_migrated_on_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint written by older code is upgraded by the registered migration."""
+    payload, _ = sealed(cp.JournalState("r"), 1)
+    old = {k: v for k, v in payload.items() if k != "budget_snapshot"}
+    old["schema_version"] = 0
+    checksum = cp.checksum_of(old)
+    with pytest.raises(CheckpointCorrupted, match="no registered migration"):
+        cp.from_stored(dict(old), checksum)
+    monkeypatch.setattr(cp, "_migrations", {})
+
+    @cp.register_checkpoint_migration(0)
+    def add_budget(p: dict[str, Any]) -> dict[str, Any]:
+        return {**p, "budget_snapshot": {}}
+
+    upgraded = cp.from_stored(dict(old), checksum)
+    assert upgraded.schema_version == cp.CHECKPOINT_SCHEMA_VERSION
+    assert upgraded.budget_snapshot == {}
