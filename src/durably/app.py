@@ -179,6 +179,10 @@ class App:
                 raise ConfigurationError(f"workflow {fn.__name__} must be an async def")
             wf_name = name or fn.__name__
             check_name("workflow", wf_name, self._workflows)
+            if not version or "|" in version:
+                raise ConfigurationError(
+                    f"workflow {wf_name}: version {version!r} is empty or has '|'"
+                )
             self._workflows[wf_name] = WorkflowDef(wf_name, fn, version)
             fn.__durably_workflow__ = wf_name  # type: ignore[attr-defined]
             return fn
@@ -292,7 +296,8 @@ class App:
 
     @property
     def workflows(self) -> list[str]:
-        return sorted(self._workflows)
+        """The registered workflows as ``"<name>|<version>"``: what this code can run."""
+        return sorted(f"{w.name}|{w.version}" for w in self._workflows.values())
 
     # -- store --------------------------------------------------------------------------
 
@@ -408,6 +413,17 @@ class App:
     async def execute_async(self, run_id: str, *, owner: str | None = None) -> Run:
         """Execute a runnable run in this process, if no live worker holds it."""
         store = await self.open()
+        record = await store.get_run(run_id)
+        if record is None:
+            raise RunNotFound(f"no run {run_id!r} in {self.database_url}", run_id=run_id)
+        wf = self.workflow_def(record.workflow)
+        if record.workflow_version != wf.version:
+            raise ConfigurationError(
+                f"run {run_id} is pinned to {wf.name} version {record.workflow_version!r}, but "
+                f"this code has version {wf.version!r}; run it with a worker that has that "
+                "version (runs never switch code mid-flight)",
+                run_id=run_id,
+            )
         claim = await store.claim_run(
             run_id, owner or worker_id("inproc"), self.lease_ttl.total_seconds()
         )

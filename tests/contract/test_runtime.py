@@ -632,3 +632,23 @@ def test_classify_maps_exceptions_to_categories(make_app: MakeApp) -> None:
         e.payload.get("category") for e in app.events(run.run_id) if e.type == "effect_failed"
     ]
     assert categories == ["RATE_LIMIT", "TRANSIENT_BEFORE_SEND"]
+
+
+def test_runs_are_pinned_to_their_workflow_version(make_app: MakeApp) -> None:
+    """Code with another version neither claims nor executes a run; the right code does."""
+    old, new = make_app(), make_app()
+
+    @old.workflow(name="report", version="1")
+    async def report_v1() -> str:
+        return "v1"
+
+    @new.workflow(name="report", version="2")
+    async def report_v2() -> str:
+        return "v2"
+
+    run_id = old.start(report_v1)
+    assert new.worker().run(until_idle=True) == 0
+    with pytest.raises(durably.ConfigurationError, match="pinned to report version '1'"):
+        new.resume(run_id)
+    assert old.worker().run(until_idle=True) == 1
+    assert old.get_run(run_id).result == "v1"

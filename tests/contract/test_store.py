@@ -92,7 +92,7 @@ def test_only_one_owner_claims_a_run(store: Store) -> None:
     assert first is not None
     assert first.run.status is RunStatus.RUNNING
     assert run(store.claim_run("r1", "w2", 30)) is None
-    assert run(store.claim_next("w2", 30, ["wf"])) is None
+    assert run(store.claim_next("w2", 30, ["wf|1"])) is None
 
 
 def test_expired_lease_is_taken_over_and_old_owner_is_fenced(store: Store) -> None:
@@ -101,7 +101,7 @@ def test_expired_lease_is_taken_over_and_old_owner_is_fenced(store: Store) -> No
     old = run(store.claim_run("r1", "w1", 0.05))
     assert old is not None
     time.sleep(0.1)
-    new = run(store.claim_next("w2", 30, ["wf"]))
+    new = run(store.claim_next("w2", 30, ["wf|1"]))
     assert new is not None
     assert new.recovered
     assert new.lease.epoch == old.lease.epoch + 1
@@ -250,8 +250,8 @@ def test_paused_and_waiting_runs_are_not_claimed(store: Store) -> None:
             claim.lease, Transition(events=[], run=RunUpdate(RunStatus.PAUSED), release=True)
         )
     )
-    assert run(store.claim_next("w2", 30, ["wf"])) is None
-    assert run(store.next_wakeup(["wf"])) is None
+    assert run(store.claim_next("w2", 30, ["wf|1"])) is None
+    assert run(store.next_wakeup(["wf|1"])) is None
 
 
 def test_list_runs_filters(store: Store) -> None:

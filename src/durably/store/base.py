@@ -269,7 +269,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def claim_next(self, owner: str, ttl_s: float, workflows: list[str]) -> Claim | None:
-        """Lease the oldest runnable run of one of ``workflows``, if any."""
+        """Lease the oldest runnable run of one of ``workflows``, if any.
+
+        ``workflows`` are ``"<name>|<version>"`` keys: a worker only claims runs pinned to
+        a version of the code it has.
+        """
 
     @abc.abstractmethod
     async def heartbeat(self, lease: Lease) -> float:
@@ -300,7 +304,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def next_wakeup(self, workflows: list[str]) -> float | None:
-        """When the next runnable run of ``workflows`` becomes due (None: nothing runnable)."""
+        """When the next runnable run of ``workflows`` (``"<name>|<version>"`` keys) becomes
+        due (None: nothing runnable)."""
 
     async def wait_for_work(self, timeout_s: float) -> bool:
         """Sleep until a run may have become runnable (True) or ``timeout_s`` passed (False).

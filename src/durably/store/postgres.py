@@ -175,7 +175,8 @@ class PostgresStore(Store):
         if not workflows:
             return None
         return await self._claim(
-            "workflow = ANY(%s) AND (lease_owner IS NULL OR lease_until < {now})",
+            "workflow || '|' || workflow_version = ANY(%s) "
+            "AND (lease_owner IS NULL OR lease_until < {now})",
             (workflows,),
             owner,
             ttl_s,
@@ -545,7 +546,8 @@ class PostgresStore(Store):
                 await db.execute(
                     "SELECT min(greatest(available_at, coalesce(lease_until, 0))) AS due, "
                     f"{_NOW} AS now FROM durably_runs WHERE status = ANY(%s) "
-                    f"AND workflow = ANY(%s) AND (lease_owner IS NULL OR lease_until < {_NOW})",
+                    "AND workflow || '|' || workflow_version = ANY(%s) "
+                    f"AND (lease_owner IS NULL OR lease_until < {_NOW})",
                     (_RUNNABLE, workflows),
                 )
             ).fetchone()

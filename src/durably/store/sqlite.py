@@ -187,7 +187,8 @@ class SQLiteStore(Store):
             row = db.execute(
                 f"SELECT run_id FROM durably_runs WHERE status IN ({_RUNNABLE_SQL}) "
                 f"AND available_at <= ? AND (lease_owner IS NULL OR lease_until < ?) "
-                f"AND workflow IN ({marks}) ORDER BY available_at, created_at LIMIT 1",
+                f"AND workflow || '|' || workflow_version IN ({marks}) "
+                f"ORDER BY available_at, created_at LIMIT 1",
                 (now, now, *workflows),
             ).fetchone()
             if row is None:
@@ -545,7 +546,8 @@ class SQLiteStore(Store):
         with self._lock:
             row = self._conn.execute(
                 f"SELECT min(max(available_at, coalesce(lease_until, 0))) FROM durably_runs "
-                f"WHERE status IN ({_RUNNABLE_SQL}) AND workflow IN ({marks}) "
+                f"WHERE status IN ({_RUNNABLE_SQL}) "
+                f"AND workflow || '|' || workflow_version IN ({marks}) "
                 f"AND (lease_owner IS NULL OR lease_until < ?)",
                 (*workflows, now),
             ).fetchone()
