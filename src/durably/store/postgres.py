@@ -68,31 +68,39 @@ class PostgresStore(Store):
         # A pool belongs to the event loop that opened it: one per loop using this store.
         self._pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool[AsyncConn]] = {}
         self._listeners: dict[asyncio.AbstractEventLoop, AsyncConn] = {}
+        self._pool_locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
 
     # -- connections --------------------------------------------------------------------
 
     async def _get_pool(self) -> AsyncConnectionPool[AsyncConn]:
         loop = asyncio.get_running_loop()
         pool_of_loop = self._pools.get(loop)
-        if pool_of_loop is None:
-            for dead in [other for other in self._pools if other.is_closed()]:
-                del self._pools[dead]
-            pool: AsyncConnectionPool[AsyncConn] = AsyncConnectionPool(
-                self.url,
-                min_size=1,
-                max_size=self.pool_size,
-                open=False,
-                kwargs={"row_factory": dict_row, "autocommit": False},
-                # A server restart leaves dead connections in the pool; check on checkout.
-                check=AsyncConnectionPool.check_connection,
-                timeout=self.connect_timeout_s,
-            )
-            try:
-                await pool.open(wait=True, timeout=self.connect_timeout_s)
-            except Exception as exc:
-                raise StoreUnavailable(f"cannot connect to {self.url}: {exc}") from exc
-            self._pools[loop] = pool_of_loop = pool
-        return pool_of_loop
+        if pool_of_loop is not None:
+            return pool_of_loop
+        # Concurrent first uses (a worker's slots starting together) must share one pool.
+        async with self._pool_locks.setdefault(loop, asyncio.Lock()):
+            return self._pools.get(loop) or await self._open_pool(loop)
+
+    async def _open_pool(self, loop: asyncio.AbstractEventLoop) -> AsyncConnectionPool[AsyncConn]:
+        for dead in [other for other in self._pools if other.is_closed()]:
+            del self._pools[dead]
+            self._pool_locks.pop(dead, None)
+        pool: AsyncConnectionPool[AsyncConn] = AsyncConnectionPool(
+            self.url,
+            min_size=1,
+            max_size=self.pool_size,
+            open=False,
+            kwargs={"row_factory": dict_row, "autocommit": False},
+            # A server restart leaves dead connections in the pool; check on checkout.
+            check=AsyncConnectionPool.check_connection,
+            timeout=self.connect_timeout_s,
+        )
+        try:
+            await pool.open(wait=True, timeout=self.connect_timeout_s)
+        except Exception as exc:
+            raise StoreUnavailable(f"cannot connect to {self.url}: {exc}") from exc
+        self._pools[loop] = pool
+        return pool
 
     @asynccontextmanager
     async def _tx(self) -> AsyncIterator[AsyncConn]:
@@ -203,10 +211,9 @@ class PostgresStore(Store):
             row = await (await db.execute(sql, (_RUNNABLE, *params, owner, ttl_s))).fetchone()
             if row is None:
                 return None
-            recovered = row["old_status"] != RunStatus.QUEUED and row["old_owner"] not in (
-                None,
-                owner,
-            )
+            # In flight under any owner (a dead worker, or this one after a cut connection):
+            # its effects are reconciled before anything else.
+            recovered = row["old_status"] != RunStatus.QUEUED and row["old_owner"] is not None
             run = run_from_row(row)
             if recovered:
                 seq = await (

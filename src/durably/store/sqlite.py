@@ -206,10 +206,9 @@ class SQLiteStore(Store):
         ).fetchone()
         if before is None:
             return None
-        recovered = before["status"] != RunStatus.QUEUED and before["lease_owner"] not in (
-            None,
-            owner,
-        )
+        # In flight under any owner (a dead worker, or this one after a failed commit): its
+        # effects are reconciled before anything else.
+        recovered = before["status"] != RunStatus.QUEUED and before["lease_owner"] is not None
         row = db.execute(
             "UPDATE durably_runs SET lease_owner = ?, lease_until = ?, "
             "lease_epoch = lease_epoch + 1, state_version = state_version + 1, "
