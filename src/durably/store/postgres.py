@@ -6,6 +6,11 @@ times come from the server's ``now()``; workers sleep on ``LISTEN durably_runnab
 are woken by the ``NOTIFY`` sent in the transaction that makes a run runnable. Durability
 is the server's: a commit returns once ``synchronous_commit`` says it is safe (``on`` by
 default: flushed to the WAL on disk).
+
+Round trips dominate the cost of a small transaction, so each transaction is sent as a
+few multi-statement scripts (psycopg binds the parameters client-side and escapes them):
+a commit is two round trips — ``BEGIN`` with every statement whose "no row matched" means
+"refuse", then everything else with ``COMMIT`` — and a read is one.
 """
 
 from __future__ import annotations
@@ -13,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
+from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -34,6 +39,7 @@ from durably.store.base import (
     Journal,
     Lease,
     NewRun,
+    OperationWrite,
     RunRecord,
     Store,
     StoredCheckpoint,
@@ -52,10 +58,41 @@ _NOW = "extract(epoch FROM now())"
 CHANNEL = "durably_runnable"
 
 AsyncConn = psycopg.AsyncConnection[dict[str, Any]]
+Rows = list[dict[str, Any]]
+Statement = tuple[str, tuple[Any, ...]]
+T = TypeVar("T")
 
 
 def _json_or_none(value: Any) -> str | None:
     return None if value is None else plain_json(value)
+
+
+class _Sent:
+    """Whether COMMIT has gone out: after that a failure leaves the outcome unknown."""
+
+    commit = False
+
+
+Work = Callable[[AsyncConn, _Sent], Awaitable[T]]
+
+
+async def _script(db: AsyncConn, statements: Sequence[Statement]) -> list[Rows | None]:
+    """Send ``statements`` in one round trip; the rows of each (None for non-queries)."""
+    cur = psycopg.AsyncClientCursor(db, row_factory=dict_row)
+    await cur.execute(
+        "; ".join(sql for sql, _ in statements), [p for _, ps in statements for p in ps]
+    )
+    results: list[Rows | None] = []
+    while True:
+        results.append(await cur.fetchall() if cur.description is not None else None)
+        if not cur.nextset():
+            return results
+
+
+async def _finish(db: AsyncConn, sent: _Sent, statements: Sequence[Statement]) -> list[Rows | None]:
+    """The last round trip of a transaction: ``statements`` and COMMIT."""
+    sent.commit = True
+    return await _script(db, [*statements, ("COMMIT", ())])
 
 
 class PostgresStore(Store):
@@ -90,9 +127,8 @@ class PostgresStore(Store):
             min_size=1,
             max_size=self.pool_size,
             open=False,
-            kwargs={"row_factory": dict_row, "autocommit": False},
-            # A server restart leaves dead connections in the pool; check on checkout.
-            check=AsyncConnectionPool.check_connection,
+            # autocommit: every transaction is an explicit BEGIN ... COMMIT in our scripts.
+            kwargs={"row_factory": dict_row, "autocommit": True},
             timeout=self.connect_timeout_s,
         )
         try:
@@ -102,21 +138,45 @@ class PostgresStore(Store):
         self._pools[loop] = pool
         return pool
 
-    @asynccontextmanager
-    async def _tx(self) -> AsyncIterator[AsyncConn]:
-        """One transaction: committed at the end of the block, rolled back on error."""
+    async def _transact(self, work: Work[T], *, idempotent: bool = False) -> T:
+        """Run ``work`` on a pooled connection; ``work`` sends BEGIN ... COMMIT itself.
+
+        Connections left broken in the pool by a server restart fail on their first round
+        trip, before anything was applied: then the pool is checked and the work retried
+        once. After COMMIT was sent the outcome is unknown, so only ``idempotent`` work is
+        retried then; anything else surfaces as :class:`StoreUnavailable` and the run is
+        read back from the store before anything else happens.
+        """
         pool = await self._get_pool()
-        try:
-            async with pool.connection() as conn:
-                yield conn
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            raise StoreUnavailable(
-                f"the database at {self.url} failed the transaction ({exc}); it was not "
-                "applied, or (if the connection broke during COMMIT) it may have been: the run "
-                "is read back from the store before anything else happens"
-            ) from exc
-        except psycopg.errors.SerializationFailure as exc:  # pragma: no cover - defensive
-            raise InvalidTransition(f"concurrent update: {exc}") from exc
+        for attempt in (1, 2):
+            sent = _Sent()
+            try:
+                async with pool.connection() as conn:
+                    try:
+                        return await work(conn, sent)
+                    except BaseException:
+                        if conn.info.transaction_status != TransactionStatus.IDLE:
+                            with contextlib.suppress(psycopg.Error):
+                                await conn.execute("ROLLBACK")
+                        raise
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                if attempt == 1 and (idempotent or not sent.commit):
+                    await pool.check()
+                    continue
+                raise StoreUnavailable(
+                    f"the database at {self.url} failed a transaction ({exc}); the run is read "
+                    "back from the store before anything else happens"
+                ) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _read(self, sql: str, params: tuple[Any, ...] = ()) -> Rows:
+        """One statement in autocommit: one round trip (reads, and writes safe to repeat)."""
+
+        async def work(db: AsyncConn, sent: _Sent) -> Rows:
+            (rows,) = await _script(db, [(sql, params)])
+            return rows or []
+
+        return await self._transact(work, idempotent=True)
 
     # -- schema -------------------------------------------------------------------------
 
@@ -135,41 +195,53 @@ class PostgresStore(Store):
             await pool.close()
 
     async def now(self) -> float:
-        async with self._tx() as db:
-            row = await (await db.execute(f"SELECT {_NOW} AS now")).fetchone()
-            assert row is not None
-            return float(row["now"])
+        (row,) = await self._read(f"SELECT {_NOW} AS now")
+        return float(row["now"])
 
     # -- runs ---------------------------------------------------------------------------
 
     async def create_run(self, new: NewRun) -> tuple[RunRecord, bool]:
-        async with self._tx() as db:
-            row = await (
-                await db.execute(
-                    "INSERT INTO durably_runs (run_id, tenant_id, workflow, workflow_version, "
-                    "status, input_json, input_hash, last_sequence, state_version, available_at, "
-                    f"created_at, updated_at) VALUES (%s, %s, %s, %s, 'queued', %s, %s, 1, 1, "
-                    f"{_NOW}, {_NOW}, {_NOW}) ON CONFLICT (run_id) DO NOTHING RETURNING *",
+        async def work(db: AsyncConn, sent: _Sent) -> tuple[RunRecord, bool]:
+            _, inserted = await _script(
+                db,
+                [
+                    ("BEGIN", ()),
                     (
-                        new.run_id,
-                        new.tenant,
-                        new.workflow,
-                        new.workflow_version,
-                        new.input_json,
-                        new.input_hash,
+                        "INSERT INTO durably_runs (run_id, tenant_id, workflow, "
+                        "workflow_version, status, input_json, input_hash, last_sequence, "
+                        "state_version, available_at, created_at, updated_at) VALUES (%s, %s, "
+                        f"%s, %s, 'queued', %s, %s, 1, 1, {_NOW}, {_NOW}, {_NOW}) "
+                        "ON CONFLICT (run_id) DO NOTHING RETURNING *",
+                        (
+                            new.run_id,
+                            new.tenant,
+                            new.workflow,
+                            new.workflow_version,
+                            new.input_json,
+                            new.input_hash,
+                        ),
                     ),
+                ],
+            )
+            if inserted:
+                payload = {"workflow": new.workflow, "version": new.workflow_version}
+                await _finish(
+                    db,
+                    sent,
+                    [
+                        _event(new.run_id, 1, "run_started", None, payload),
+                        (f"NOTIFY {CHANNEL}", ()),
+                    ],
                 )
-            ).fetchone()
-            if row is None:
-                existing = await (
-                    await db.execute("SELECT * FROM durably_runs WHERE run_id = %s", (new.run_id,))
-                ).fetchone()
-                assert existing is not None
-                return run_from_row(existing), False
-            payload = {"workflow": new.workflow, "version": new.workflow_version}
-            await self._insert_event(db, new.run_id, 1, "run_started", None, payload)
-            await db.execute(f"NOTIFY {CHANNEL}")
-            return run_from_row(row), True
+                return run_from_row(inserted[0]), True
+            existing, _ = await _finish(
+                db, sent, [("SELECT * FROM durably_runs WHERE run_id = %s", (new.run_id,))]
+            )
+            assert existing
+            return run_from_row(existing[0]), False
+
+        # Idempotent: a retry after a lost COMMIT finds the run it created.
+        return await self._transact(work, idempotent=True)
 
     async def claim_run(self, run_id: str, owner: str, ttl_s: float) -> Claim | None:
         return await self._claim(
@@ -207,49 +279,55 @@ class PostgresStore(Store):
             "WHERE r.run_id = c.run_id "
             "RETURNING r.*, c.old_status, c.old_owner, c.old_until"
         )
-        async with self._tx() as db:
-            row = await (await db.execute(sql, (_RUNNABLE, *params, owner, ttl_s))).fetchone()
-            if row is None:
+
+        async def work(db: AsyncConn, sent: _Sent) -> Claim | None:
+            _, claimed = await _script(
+                db, [("BEGIN", ()), (sql, (_RUNNABLE, *params, owner, ttl_s))]
+            )
+            if not claimed:
+                await _finish(db, sent, [])
                 return None
+            row = claimed[0]
             # In flight under any owner (a dead worker, or this one after a cut connection):
             # its effects are reconciled before anything else.
             recovered = row["old_status"] != RunStatus.QUEUED and row["old_owner"] is not None
             run = run_from_row(row)
+            statements: list[Statement] = []
             if recovered:
-                seq = await (
-                    await db.execute(
-                        "UPDATE durably_runs SET last_sequence = last_sequence + 1 "
-                        "WHERE run_id = %s RETURNING last_sequence",
-                        (run.run_id,),
-                    )
-                ).fetchone()
-                assert seq is not None
                 payload = {"previous_owner": row["old_owner"], "lease_until": row["old_until"]}
-                await self._insert_event(
-                    db, run.run_id, seq["last_sequence"], "run_recovered", None, payload
-                )
-        return Claim(
-            run=run, lease=Lease(run.run_id, owner, run.lease_epoch, ttl_s), recovered=recovered
-        )
+                statements = [
+                    (
+                        "UPDATE durably_runs SET last_sequence = last_sequence + 1 "
+                        "WHERE run_id = %s",
+                        (run.run_id,),
+                    ),
+                    _event(run.run_id, run.last_sequence + 1, "run_recovered", None, payload),
+                ]
+            await _finish(db, sent, statements)
+            return Claim(
+                run=run,
+                lease=Lease(run.run_id, owner, run.lease_epoch, ttl_s),
+                recovered=recovered,
+            )
+
+        return await self._transact(work)
 
     async def heartbeat(self, lease: Lease) -> float:
-        async with self._tx() as db:
-            row = await (
-                await db.execute(
-                    f"UPDATE durably_runs SET lease_until = {_NOW} + %s WHERE run_id = %s "
-                    "AND lease_owner = %s AND lease_epoch = %s RETURNING lease_until",
-                    (lease.ttl_s, lease.run_id, lease.owner, lease.epoch),
-                )
-            ).fetchone()
-            if row is None:
-                raise lease_lost(lease)
-            return float(row["lease_until"])
+        rows = await self._read(
+            f"UPDATE durably_runs SET lease_until = {_NOW} + %s WHERE run_id = %s "
+            "AND lease_owner = %s AND lease_epoch = %s RETURNING lease_until",
+            (lease.ttl_s, lease.run_id, lease.owner, lease.epoch),
+        )
+        if not rows:
+            raise lease_lost(lease)
+        return float(rows[0]["lease_until"])
 
     async def commit(self, guard: Lease | Expect, transition: Transition) -> Committed:
-        t = transition
+        async def work(db: AsyncConn, sent: _Sent) -> Committed:
+            return await self._commit(db, sent, guard, transition)
+
         try:
-            async with self._tx() as db:
-                return await self._commit(db, guard, t)
+            return await self._transact(work)
         except psycopg.errors.UniqueViolation as exc:
             raise InvalidTransition(
                 f"a row of this transition already exists ({exc.diag.constraint_name}); it "
@@ -257,270 +335,209 @@ class PostgresStore(Store):
                 run_id=guard.run_id,
             ) from exc
 
-    async def _commit(self, db: AsyncConn, guard: Lease | Expect, t: Transition) -> Committed:
-        lease_until: float | None = None
+    async def _commit(
+        self, db: AsyncConn, sent: _Sent, guard: Lease | Expect, t: Transition
+    ) -> Committed:
+        # Round trip 1: BEGIN, the fence, and a conditional operation update — the
+        # statements whose "no row matched" means "refuse".
         if isinstance(guard, Lease):
-            fenced = await (
-                await db.execute(
-                    "UPDATE durably_runs SET last_sequence = last_sequence + %s, "
-                    "state_version = state_version + 1, "
-                    f"lease_until = CASE WHEN %s THEN NULL ELSE {_NOW} + %s END, "
-                    "lease_owner = CASE WHEN %s THEN NULL ELSE lease_owner END, "
-                    f"updated_at = {_NOW} WHERE run_id = %s AND lease_owner = %s "
-                    "AND lease_epoch = %s RETURNING last_sequence, state_version, lease_until",
-                    (
-                        len(t.events),
-                        t.release,
-                        guard.ttl_s,
-                        t.release,
-                        guard.run_id,
-                        guard.owner,
-                        guard.epoch,
-                    ),
-                )
-            ).fetchone()
-            if fenced is None:
-                raise lease_lost(guard)
-            lease_until = fenced["lease_until"]
-        else:
-            fenced = await (
-                await db.execute(
-                    "UPDATE durably_runs SET last_sequence = last_sequence + %s, "
-                    f"state_version = state_version + 1, updated_at = {_NOW} "
-                    "WHERE run_id = %s AND state_version = %s "
-                    f"AND (lease_owner IS NULL OR lease_until < {_NOW}) "
-                    "RETURNING last_sequence, state_version",
-                    (len(t.events), guard.run_id, guard.state_version),
-                )
-            ).fetchone()
-            if fenced is None:
-                raise InvalidTransition(
-                    f"run {guard.run_id} changed or is held by a worker; read it again and retry",
-                    run_id=guard.run_id,
-                )
-        last_sequence, state_version = int(fenced["last_sequence"]), int(fenced["state_version"])
-        if t.run is not None:
-            u = t.run
-            await db.execute(
-                "UPDATE durably_runs SET status = %s, status_reason = %s, "
-                "result_json = coalesce(%s, result_json), error_json = %s, "
-                "waiting_for_json = %s, available_at = coalesce(%s, available_at) "
-                "WHERE run_id = %s",
+            fence: Statement = (
+                "UPDATE durably_runs SET last_sequence = last_sequence + %s, "
+                "state_version = state_version + 1, "
+                f"lease_until = CASE WHEN %s THEN NULL ELSE {_NOW} + %s END, "
+                "lease_owner = CASE WHEN %s THEN NULL ELSE lease_owner END, "
+                f"updated_at = {_NOW} WHERE run_id = %s AND lease_owner = %s "
+                "AND lease_epoch = %s RETURNING last_sequence, state_version, lease_until",
                 (
-                    u.status.value,
-                    u.status_reason,
-                    u.result_json,
-                    _json_or_none(u.error),
-                    _json_or_none(u.waiting_for),
-                    u.available_at,
+                    len(t.events),
+                    t.release,
+                    guard.ttl_s,
+                    t.release,
                     guard.run_id,
+                    guard.owner,
+                    guard.epoch,
                 ),
             )
+        else:
+            fence = (
+                "UPDATE durably_runs SET last_sequence = last_sequence + %s, "
+                f"state_version = state_version + 1, updated_at = {_NOW} "
+                "WHERE run_id = %s AND state_version = %s "
+                f"AND (lease_owner IS NULL OR lease_until < {_NOW}) "
+                "RETURNING last_sequence, state_version, lease_until",
+                (len(t.events), guard.run_id, guard.state_version),
+            )
+        o = t.operation
+        conditional = o is not None and o.expect_row_version is not None
+        first = [("BEGIN", ()), fence]
+        if conditional:
+            assert o is not None
+            first.append(_operation(guard, o))
+        results = await _script(db, first)
+        fenced = results[1]
+        if not fenced:
+            if isinstance(guard, Lease):
+                raise lease_lost(guard)
+            raise InvalidTransition(
+                f"run {guard.run_id} changed or is held by a worker; read it again and retry",
+                run_id=guard.run_id,
+            )
+        op_version = None
+        if conditional:
+            assert o is not None
+            if not results[2]:
+                raise InvalidTransition(
+                    f"operation {o.idempotency_key} changed under us (expected row_version "
+                    f"{o.expect_row_version}); another writer got there first",
+                    run_id=o.run_id,
+                    step_id=o.step_id,
+                    idempotency_key=o.idempotency_key,
+                )
+            op_version = int(results[2][0]["row_version"])
 
+        # Round trip 2: everything else, and COMMIT.
+        last_sequence = int(fenced[0]["last_sequence"])
+        state_version = int(fenced[0]["state_version"])
+        rest: list[Statement] = []
+        if o is not None and not conditional:
+            rest.append(_operation(guard, o))
+            op_version = 1
+        if t.run is not None:
+            u = t.run
+            rest.append(
+                (
+                    "UPDATE durably_runs SET status = %s, status_reason = %s, "
+                    "result_json = coalesce(%s, result_json), error_json = %s, "
+                    "waiting_for_json = %s, available_at = coalesce(%s, available_at) "
+                    "WHERE run_id = %s",
+                    (
+                        u.status.value,
+                        u.status_reason,
+                        u.result_json,
+                        _json_or_none(u.error),
+                        _json_or_none(u.waiting_for),
+                        u.available_at,
+                        guard.run_id,
+                    ),
+                )
+            )
         runnable = t.run is None or t.run.status in RUNNABLE
         if runnable and (t.release or (isinstance(guard, Expect) and t.run is not None)):
             # Delivered at COMMIT: sleeping workers wake for a run they can claim now.
-            await db.execute(f"NOTIFY {CHANNEL}")
-        first = last_sequence - len(t.events) + 1
-        for offset, event in enumerate(t.events):
-            await self._insert_event(
-                db, guard.run_id, first + offset, event.type, event.step_id, event.payload
-            )
+            rest.append((f"NOTIFY {CHANNEL}", ()))
+        start = last_sequence - len(t.events) + 1
+        rest += [
+            _event(guard.run_id, start + i, e.type, e.step_id, e.payload)
+            for i, e in enumerate(t.events)
+        ]
         if t.step is not None:
             s = t.step
-            await db.execute(
-                "INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, "
-                "input_hash, output_json, error_json, idempotency_key, attempts, "
-                "settled_sequence, created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s, "
-                f"%s, %s, %s, %s, %s, {_NOW}, {_NOW}) ON CONFLICT (run_id, step_id) DO UPDATE "
-                "SET status = excluded.status, output_json = excluded.output_json, "
-                "error_json = excluded.error_json, attempts = excluded.attempts, "
-                "settled_sequence = coalesce(excluded.settled_sequence, "
-                "durably_steps.settled_sequence), updated_at = excluded.updated_at",
+            rest.append(
                 (
-                    guard.run_id,
-                    s.step_id,
-                    s.position,
-                    s.kind,
-                    s.name,
-                    s.status.value,
-                    s.input_hash,
-                    s.output_json,
-                    _json_or_none(s.error),
-                    s.idempotency_key,
-                    s.attempts,
-                    last_sequence if s.settle else None,
-                ),
+                    "INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, "
+                    "input_hash, output_json, error_json, idempotency_key, attempts, "
+                    "settled_sequence, created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, "
+                    f"%s, %s, %s, %s, %s, %s, {_NOW}, {_NOW}) ON CONFLICT (run_id, step_id) "
+                    "DO UPDATE SET status = excluded.status, output_json = excluded.output_json, "
+                    "error_json = excluded.error_json, attempts = excluded.attempts, "
+                    "settled_sequence = coalesce(excluded.settled_sequence, "
+                    "durably_steps.settled_sequence), updated_at = excluded.updated_at",
+                    (
+                        guard.run_id,
+                        s.step_id,
+                        s.position,
+                        s.kind,
+                        s.name,
+                        s.status.value,
+                        s.input_hash,
+                        s.output_json,
+                        _json_or_none(s.error),
+                        s.idempotency_key,
+                        s.attempts,
+                        last_sequence if s.settle else None,
+                    ),
+                )
             )
-        op_version = None
-        if t.operation is not None:
-            op_version = await self._write_operation(db, guard, t, lease_until)
         if t.checkpoint is not None:
             cp, payload_json = t.checkpoint.seal(
                 state_version=state_version, last_event_sequence=last_sequence
             )
-            await db.execute(
-                "INSERT INTO durably_checkpoints (run_id, state_version, last_event_sequence, "
-                f"schema_version, payload_json, checksum, created_at) VALUES (%s, %s, %s, %s, "
-                f"%s, %s, {_NOW})",
+            rest.append(
                 (
-                    cp.run_id,
-                    cp.state_version,
-                    cp.last_event_sequence,
-                    cp.schema_version,
-                    payload_json,
-                    cp.checksum,
-                ),
+                    "INSERT INTO durably_checkpoints (run_id, state_version, "
+                    "last_event_sequence, schema_version, payload_json, checksum, created_at) "
+                    f"VALUES (%s, %s, %s, %s, %s, %s, {_NOW})",
+                    (
+                        cp.run_id,
+                        cp.state_version,
+                        cp.last_event_sequence,
+                        cp.schema_version,
+                        payload_json,
+                        cp.checksum,
+                    ),
+                )
             )
-        return Committed(last_sequence, state_version, op_version, lease_until)
-
-    async def _write_operation(
-        self, db: AsyncConn, guard: Lease | Expect, t: Transition, lease_until: float | None
-    ) -> int:
-        o = t.operation
-        assert o is not None
-        held = isinstance(guard, Lease) and o.hold_lease
-        lease = (
-            (guard.owner, lease_until, guard.epoch)
-            if held and isinstance(guard, Lease)
-            else (None, None, None)
-        )
-        values = (
-            o.status.value,
-            o.result_json,
-            _json_or_none(o.error),
-            o.failure_category,
-            o.external_operation_id,
-            o.attempt,
-            *lease,
-        )
-        if o.expect_row_version is None:
-            await db.execute(
-                "INSERT INTO durably_tool_operations (status, result_json, error_json, "
-                "failure_category, external_operation_id, attempt, lease_owner, lease_until, "
-                "lease_epoch, tenant_id, idempotency_key, run_id, step_id, plan_version, "
-                "tool_name, tool_version, input_hash, arguments_json, created_at, updated_at, "
-                "row_version) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
-                f"%s, %s, %s, %s, {_NOW}, {_NOW}, 1)",
-                (
-                    *values,
-                    o.tenant,
-                    o.idempotency_key,
-                    o.run_id,
-                    o.step_id,
-                    o.plan_version,
-                    o.tool,
-                    o.tool_version,
-                    o.input_hash,
-                    o.arguments_json,
-                ),
-            )
-            return 1
-        row = await (
-            await db.execute(
-                "UPDATE durably_tool_operations SET status = %s, result_json = %s, "
-                "error_json = %s, failure_category = %s, "
-                "external_operation_id = coalesce(%s, external_operation_id), attempt = %s, "
-                "lease_owner = %s, lease_until = %s, lease_epoch = %s, "
-                f"updated_at = {_NOW}, row_version = row_version + 1 "
-                "WHERE tenant_id = %s AND idempotency_key = %s AND row_version = %s "
-                "RETURNING row_version",
-                (*values, o.tenant, o.idempotency_key, o.expect_row_version),
-            )
-        ).fetchone()
-        if row is None:
-            raise InvalidTransition(
-                f"operation {o.idempotency_key} changed under us (expected row_version "
-                f"{o.expect_row_version}); another writer got there first",
-                run_id=o.run_id,
-                step_id=o.step_id,
-                idempotency_key=o.idempotency_key,
-            )
-        return int(row["row_version"])
-
-    async def _insert_event(
-        self,
-        db: AsyncConn,
-        run_id: str,
-        sequence: int,
-        type_: str,
-        step_id: str | None,
-        payload: dict[str, Any],
-    ) -> None:
-        await db.execute(
-            "INSERT INTO durably_events (run_id, sequence, type, step_id, payload_json, "
-            f"created_at) VALUES (%s, %s, %s, %s, %s, {_NOW})",
-            (run_id, sequence, type_, step_id, plain_json(payload)),
-        )
+        await _finish(db, sent, rest)
+        return Committed(last_sequence, state_version, op_version, fenced[0]["lease_until"])
 
     # -- reads --------------------------------------------------------------------------
 
     async def get_run(self, run_id: str) -> RunRecord | None:
-        async with self._tx() as db:
-            row = await (
-                await db.execute("SELECT * FROM durably_runs WHERE run_id = %s", (run_id,))
-            ).fetchone()
-        return None if row is None else run_from_row(row)
+        rows = await self._read("SELECT * FROM durably_runs WHERE run_id = %s", (run_id,))
+        return run_from_row(rows[0]) if rows else None
 
     async def list_runs(
         self, *, status: RunStatus | None = None, workflow: str | None = None, limit: int = 100
     ) -> list[RunRecord]:
-        async with self._tx() as db:
-            rows = await (
-                await db.execute(
-                    "SELECT * FROM durably_runs WHERE (%s::text IS NULL OR status = %s) "
-                    "AND (%s::text IS NULL OR workflow = %s) "
-                    "ORDER BY created_at DESC, run_id LIMIT %s",
-                    (status, status, workflow, workflow, limit),
-                )
-            ).fetchall()
+        rows = await self._read(
+            "SELECT * FROM durably_runs WHERE (%s::text IS NULL OR status = %s) "
+            "AND (%s::text IS NULL OR workflow = %s) "
+            "ORDER BY created_at DESC, run_id LIMIT %s",
+            (status, status, workflow, workflow, limit),
+        )
         return [run_from_row(r) for r in rows]
 
     async def load_journal(self, run_id: str, *, checkpoints: int = 3) -> Journal | None:
-        async with self._tx() as db:
-            # REPEATABLE READ: the run, its steps, operations and checkpoints as of one moment.
-            await db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            row = await (
-                await db.execute("SELECT * FROM durably_runs WHERE run_id = %s", (run_id,))
-            ).fetchone()
-            if row is None:
+        async def work(db: AsyncConn, sent: _Sent) -> Journal | None:
+            # One round trip; REPEATABLE READ makes the four reads one moment's state.
+            _, run, steps, ops, cps, _ = await _script(
+                db,
+                [
+                    ("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", ()),
+                    ("SELECT * FROM durably_runs WHERE run_id = %s", (run_id,)),
+                    ("SELECT * FROM durably_steps WHERE run_id = %s ORDER BY position", (run_id,)),
+                    (
+                        "SELECT o.* FROM durably_steps s "
+                        "JOIN durably_runs r ON r.run_id = s.run_id "
+                        "JOIN durably_tool_operations o "
+                        "ON o.tenant_id = r.tenant_id AND o.idempotency_key = s.idempotency_key "
+                        "WHERE s.run_id = %s",
+                        (run_id,),
+                    ),
+                    (
+                        "SELECT payload_json, checksum FROM durably_checkpoints "
+                        "WHERE run_id = %s ORDER BY state_version DESC LIMIT %s",
+                        (run_id, checkpoints),
+                    ),
+                    ("COMMIT", ()),
+                ],
+            )
+            if not run:
                 return None
-            steps = await (
-                await db.execute(
-                    "SELECT * FROM durably_steps WHERE run_id = %s ORDER BY position", (run_id,)
-                )
-            ).fetchall()
-            ops = await (
-                await db.execute(
-                    "SELECT o.* FROM durably_steps s JOIN durably_tool_operations o "
-                    "ON o.tenant_id = %s AND o.idempotency_key = s.idempotency_key "
-                    "WHERE s.run_id = %s",
-                    (row["tenant_id"], run_id),
-                )
-            ).fetchall()
-            cps = await (
-                await db.execute(
-                    "SELECT payload_json, checksum FROM durably_checkpoints WHERE run_id = %s "
-                    "ORDER BY state_version DESC LIMIT %s",
-                    (run_id, checkpoints),
-                )
-            ).fetchall()
-        return Journal(
-            run=run_from_row(row),
-            steps=[step_from_row(s) for s in steps],
-            operations=[operation_from_row(o) for o in ops],
-            checkpoints=[checkpoint_from_row(c) for c in cps],
-        )
+            return Journal(
+                run=run_from_row(run[0]),
+                steps=[step_from_row(r) for r in steps or []],
+                operations=[operation_from_row(r) for r in ops or []],
+                checkpoints=[checkpoint_from_row(r) for r in cps or []],
+            )
+
+        return await self._transact(work, idempotent=True)
 
     async def events(self, run_id: str, *, after: int = 0) -> list[Event]:
-        async with self._tx() as db:
-            rows = await (
-                await db.execute(
-                    "SELECT * FROM durably_events WHERE run_id = %s AND sequence > %s "
-                    "ORDER BY sequence",
-                    (run_id, after),
-                )
-            ).fetchall()
+        rows = await self._read(
+            "SELECT * FROM durably_events WHERE run_id = %s AND sequence > %s ORDER BY sequence",
+            (run_id, after),
+        )
         return [
             Event(
                 run_id=r["run_id"],
@@ -535,33 +552,27 @@ class PostgresStore(Store):
         ]
 
     async def checkpoints(self, run_id: str) -> list[StoredCheckpoint]:
-        async with self._tx() as db:
-            rows = await (
-                await db.execute(
-                    "SELECT payload_json, checksum FROM durably_checkpoints WHERE run_id = %s "
-                    "ORDER BY state_version DESC",
-                    (run_id,),
-                )
-            ).fetchall()
+        rows = await self._read(
+            "SELECT payload_json, checksum FROM durably_checkpoints WHERE run_id = %s "
+            "ORDER BY state_version DESC",
+            (run_id,),
+        )
         return [checkpoint_from_row(r) for r in rows]
 
     async def next_wakeup(self, workflows: list[str]) -> float | None:
         if not workflows:
             return None
-        async with self._tx() as db:
-            row = await (
-                await db.execute(
-                    "SELECT min(greatest(available_at, coalesce(lease_until, 0))) AS due, "
-                    f"{_NOW} AS now FROM durably_runs WHERE status = ANY(%s) "
-                    "AND workflow || '|' || workflow_version = ANY(%s) "
-                    f"AND (lease_owner IS NULL OR lease_until < {_NOW})",
-                    (_RUNNABLE, workflows),
-                )
-            ).fetchone()
-        if row is None or row["due"] is None:
+        rows = await self._read(
+            "SELECT min(greatest(available_at, coalesce(lease_until, 0))) AS due, "
+            f"{_NOW} AS now FROM durably_runs WHERE status = ANY(%s) "
+            "AND workflow || '|' || workflow_version = ANY(%s) "
+            f"AND (lease_owner IS NULL OR lease_until < {_NOW})",
+            (_RUNNABLE, workflows),
+        )
+        if not rows or rows[0]["due"] is None:
             return None
         # Translate the server's clock into ours: callers sleep with time.time().
-        return float(row["due"]) - float(row["now"]) + time.time()
+        return float(rows[0]["due"]) - float(rows[0]["now"]) + time.time()
 
     async def wait_for_work(self, timeout_s: float) -> bool:
         """Sleep until a run may have become runnable (NOTIFY) or ``timeout_s`` passes."""
@@ -581,6 +592,70 @@ class PostgresStore(Store):
             self._listeners.pop(loop, None)
             await asyncio.sleep(timeout_s)
         return False
+
+
+def _event(
+    run_id: str, sequence: int, type_: str, step_id: str | None, payload: dict[str, Any]
+) -> Statement:
+    return (
+        "INSERT INTO durably_events (run_id, sequence, type, step_id, payload_json, created_at) "
+        f"VALUES (%s, %s, %s, %s, %s, {_NOW})",
+        (run_id, sequence, type_, step_id, plain_json(payload)),
+    )
+
+
+def _operation(guard: Lease | Expect, o: OperationWrite) -> Statement:
+    """The operation's insert, or its conditional update (``RETURNING row_version``).
+
+    An operation holding a lease holds the run's: same owner, epoch and expiry.
+    """
+    held = isinstance(guard, Lease) and o.hold_lease
+    lease_sql = f"{_NOW} + %s" if held else "%s"
+    lease: tuple[Any, ...] = (
+        (guard.owner, guard.ttl_s, guard.epoch)
+        if held and isinstance(guard, Lease)
+        else (None, None, None)
+    )
+    values = (
+        o.status.value,
+        o.result_json,
+        _json_or_none(o.error),
+        o.failure_category,
+        o.external_operation_id,
+        o.attempt,
+        *lease,
+    )
+    if o.expect_row_version is None:
+        return (
+            "INSERT INTO durably_tool_operations (status, result_json, error_json, "
+            "failure_category, external_operation_id, attempt, lease_owner, lease_until, "
+            "lease_epoch, tenant_id, idempotency_key, run_id, step_id, plan_version, "
+            "tool_name, tool_version, input_hash, arguments_json, created_at, updated_at, "
+            "row_version) VALUES (%s, %s, %s, %s, %s, %s, %s, "
+            f"{lease_sql}, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, {_NOW}, {_NOW}, 1)",
+            (
+                *values,
+                o.tenant,
+                o.idempotency_key,
+                o.run_id,
+                o.step_id,
+                o.plan_version,
+                o.tool,
+                o.tool_version,
+                o.input_hash,
+                o.arguments_json,
+            ),
+        )
+    return (
+        "UPDATE durably_tool_operations SET status = %s, result_json = %s, "
+        "error_json = %s, failure_category = %s, "
+        "external_operation_id = coalesce(%s, external_operation_id), attempt = %s, "
+        f"lease_owner = %s, lease_until = {lease_sql}, lease_epoch = %s, "
+        f"updated_at = {_NOW}, row_version = row_version + 1 "
+        "WHERE tenant_id = %s AND idempotency_key = %s AND row_version = %s "
+        "RETURNING row_version",
+        (*values, o.tenant, o.idempotency_key, o.expect_row_version),
+    )
 
 
 class _MigrationTarget:
