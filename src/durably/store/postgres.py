@@ -77,16 +77,14 @@ Work = Callable[[AsyncConn, _Sent], Awaitable[T]]
 
 
 async def _script(db: AsyncConn, statements: Sequence[Statement]) -> list[Rows | None]:
-    """Send ``statements`` in one round trip; the rows of each (None for non-queries)."""
-    cur = psycopg.AsyncClientCursor(db, row_factory=dict_row)
-    await cur.execute(
-        "; ".join(sql for sql, _ in statements), [p for _, ps in statements for p in ps]
-    )
-    results: list[Rows | None] = []
-    while True:
-        results.append(await cur.fetchall() if cur.description is not None else None)
-        if not cur.nextset():
-            return results
+    """Send ``statements`` in one round trip; the rows of each (None for non-queries).
+
+    Pipeline mode: the extended protocol, with statements prepared by psycopg once they
+    repeat, so the server plans each of durably's statements once per connection.
+    """
+    async with db.pipeline():
+        cursors = [await db.execute(sql.encode(), params) for sql, params in statements]
+    return [await c.fetchall() if c.description is not None else None for c in cursors]
 
 
 async def _finish(db: AsyncConn, sent: _Sent, statements: Sequence[Statement]) -> list[Rows | None]:
