@@ -153,12 +153,19 @@ class App:
         *,
         lease_ttl: timedelta = timedelta(seconds=30),
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        secret_key: str | bytes | None = None,
     ) -> None:
         self.database_url = (
             database_url or os.environ.get("DURABLY_DATABASE_URL") or DEFAULT_DATABASE_URL
         )
         self.lease_ttl = lease_ttl
         self.max_payload_bytes = max_payload_bytes
+        secret = secret_key or os.environ.get("DURABLY_SECRET_KEY")
+        # Keys the HMAC of redacted arguments. Without one configured, a random key: the
+        # stored hashes then only prove a value was there, they can't be matched later.
+        self.secret_key: bytes = (
+            secret.encode() if isinstance(secret, str) else secret or secrets.token_bytes(32)
+        )
         self.metrics = Metrics()
         self._workflows: dict[str, WorkflowDef] = {}
         self._steps: dict[str, StepDef] = {}
@@ -234,6 +241,12 @@ class App:
             tool_name = name or fn.__name__
             check_name("tool", tool_name, {**self._steps, **self._tools})
             signature = inspect.signature(fn)
+            if timeout is not None and not inspect.iscoroutinefunction(fn):
+                raise ConfigurationError(
+                    f"tool {tool_name}: timeout= needs an async def tool; a plain function "
+                    "runs on a thread that cannot be stopped, so it would go on (and take "
+                    "effect) after the timeout. Give the client its own timeout instead"
+                )
             missing = [r for r in redact if r not in signature.parameters]
             if missing:
                 raise ConfigurationError(
@@ -268,11 +281,15 @@ class App:
                 f"{sorted(self._workflows)})"
             ) from None
 
-    def tool_def(self, name: str) -> ToolDef:
-        try:
-            return self._tools[name]
-        except KeyError:
-            raise ConfigurationError(f"no tool named {name!r} is registered") from None
+    @overload
+    def tool_def(self, name: str) -> ToolDef: ...
+    @overload
+    def tool_def(self, name: str, *, missing_ok: Literal[True]) -> ToolDef | None: ...
+    def tool_def(self, name: str, *, missing_ok: bool = False) -> ToolDef | None:
+        tool = self._tools.get(name)
+        if tool is None and not missing_ok:
+            raise ConfigurationError(f"no tool named {name!r} is registered")
+        return tool
 
     def compensation_def(self, tool: ToolDef) -> ToolDef:
         """The compensation of ``tool``, itself an effect recorded in the ledger."""

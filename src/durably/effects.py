@@ -62,9 +62,14 @@ def classify(tool: ToolDef, exc: BaseException) -> FailureCategory:
     if isinstance(exc, ToolError):
         return exc.category
     if tool.classify is not None:
-        category = tool.classify(exc)
+        try:
+            category = tool.classify(exc)
+        except Exception as bug:
+            # The outcome must still be recorded; an unclassifiable failure is unknown.
+            log.warning("classify of %s raised %r; treating the outcome as unknown", tool.name, bug)
+            return FailureCategory.UNKNOWN_OUTCOME
         if category is not None:
-            return category
+            return FailureCategory(category)
     if isinstance(exc, ConnectionRefusedError | socket.gaierror):
         return FailureCategory.TRANSIENT_BEFORE_SEND
     if isinstance(exc, TimeoutError | OutcomeUnknown | ConnectionError):
@@ -72,15 +77,17 @@ def classify(tool: ToolDef, exc: BaseException) -> FailureCategory:
     return FailureCategory.UNKNOWN_OUTCOME
 
 
-def redact(tool: ToolDef, key: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    """Arguments as stored: the ones named in ``redact=`` replaced by a keyed hash."""
+def redact(tool: ToolDef, secret: bytes, arguments: dict[str, Any]) -> dict[str, Any]:
+    """Arguments as stored: the ones named in ``redact=`` replaced by an HMAC under the
+    App's secret key, which is never stored (so a low-entropy secret cannot be guessed
+    from the database)."""
     if not tool.redact:
         return arguments
     stored = dict(arguments)
     for name in tool.redact:
         if name in stored:
             text = canonical_json(stored[name], what=f"argument {name!r}")
-            digest = hmac.new(key.encode(), text.encode(), "sha256").hexdigest()
+            digest = hmac.new(secret, text.encode(), "sha256").hexdigest()
             stored[name] = {"redacted": digest}
     return stored
 
@@ -114,7 +121,7 @@ class Effect:
         ctx.replayed(self.step_id, self.position, "tool", tool.name, self.input_hash)
         self.op: OperationRecord | None = ctx.operations.get(self.key)
         # input_hash() already proved the arguments are plain JSON.
-        self.stored_arguments = redact(tool, self.key, self.arguments)
+        self.stored_arguments = redact(tool, ctx.app.secret_key, self.arguments)
         self.arguments_json = plain_json(self.stored_arguments)
         if len(self.arguments_json) > ctx.app.max_payload_bytes:
             raise PayloadTooLarge(
@@ -231,26 +238,27 @@ class Effect:
         checkpoint: bool = True,
         pending: bool = False,
         release: bool = False,
+        settle: str | None = None,
     ) -> None:
+        """Commit one ledger transition; ``settle``: the result JSON to add to the journal."""
         ctx = self.ctx
-        ctx.journal.budget = ctx.budget()
-        draft = (
-            ctx.journal.draft(
-                status=(run.status if run else RunStatus.RUNNING).value,
-                current_step=self.step_id,
-                pending_action={
-                    "tool": self.tool.name,
-                    "step_id": self.step_id,
-                    "idempotency_key": self.key,
-                }
-                if pending
-                else None,
-            )
-            if checkpoint
+        pending_action = (
+            {"tool": self.tool.name, "step_id": self.step_id, "idempotency_key": self.key}
+            if pending
             else None
         )
-        committed = await ctx.commit(
-            Transition(
+
+        def transition() -> Transition:
+            draft = (
+                ctx.journal.draft(
+                    status=(run.status if run else RunStatus.RUNNING).value,
+                    current_step=self.step_id,
+                    pending_action=pending_action,
+                )
+                if checkpoint
+                else None
+            )
+            return Transition(
                 events=events,
                 step=step,
                 operation=write,
@@ -258,6 +266,11 @@ class Effect:
                 checkpoint=draft,
                 release=release,
             )
+
+        committed = await ctx.commit(
+            transition,
+            settle=None if settle is None else (self.step_id, settle),
+            effect=None if settle is None else self.key,
         )
         now = time.time()
         previous = self.op
@@ -318,6 +331,15 @@ class Effect:
         )
 
     async def _execute(self) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.ctx.inflight[id(self)] = done
+        try:
+            await self._call_and_record()
+        finally:
+            del self.ctx.inflight[id(self)]
+            done.set_result(None)
+
+    async def _call_and_record(self) -> None:
         token = context._key.set(self.key)
         try:
             call = invoke(self.tool.fn, *self.args, **self.kwargs)
@@ -357,9 +379,6 @@ class Effect:
                 external_id = str(self.tool.external_id(result))
             except Exception as exc:
                 log.warning("external_id of %s failed: %r", self.tool.name, exc)
-        if result_json is not None:
-            self.ctx.journal.settle(self.step_id, result_json)
-            self.ctx.journal.effect_completed(self.key)
         await self._apply(
             self._write(
                 OperationStatus.SUCCEEDED,
@@ -383,6 +402,7 @@ class Effect:
                 )
             ],
             run=self._back_to_running(),
+            settle=result_json,
         )
 
     async def _record_failure(self, exc: BaseException) -> None:
@@ -418,6 +438,7 @@ class Effect:
         if self.tool.reconcile is None:
             # Idempotent tool: the service deduplicates by our key, so re-sending is safe.
             if op.attempt < self.tool.retry.max_attempts:
+                await asyncio.sleep(self.tool.retry.delay_s(op.attempt))
                 await self._claim("effect_resent")
             else:
                 await self._pause()
@@ -434,6 +455,13 @@ class Effect:
                 duplicates=answer.duplicates,
             )
         elif answer.answer == "not_executed":
+            if op.attempt >= self.tool.retry.max_attempts:
+                await self._pause(
+                    f"{self.tool.name} at {self.step_id} was executed {op.attempt} times and "
+                    "each time the service reported it never happened; check the service, then "
+                    "resolve the step"
+                )
+            await asyncio.sleep(self.tool.retry.delay_s(op.attempt))
             await self._claim("effect_reconciled", answer="not_executed")
         elif answer.answer == "failed":
             category = answer.category or FailureCategory.PERMANENT_INPUT
@@ -486,6 +514,8 @@ class Effect:
     async def _pause(self, detail: str = "") -> None:
         op = self.op
         assert op is not None
+        # Parallel calls of this run record their outcomes before the run is released.
+        await self.ctx.quiesce(exclude=id(self))
         permission = op.failure_category == FailureCategory.PERMISSION
         reason = PauseReason.PERMISSION if permission else PauseReason.EFFECT_STATE_UNKNOWN
         status = op.status if permission else OperationStatus.UNKNOWN
@@ -582,18 +612,21 @@ async def call_tool(
 
 async def compensate(ctx: RunContext, step_ids: tuple[str, ...]) -> list[str]:
     """Run the registered compensations of succeeded effects, newest first; once each."""
+    # Only effects this execution has reached, so a replay compensates exactly what the
+    # original execution did at this point; newest first.
+    order = {step_id: i for i, step_id in enumerate(ctx.reached)}
     done_states = (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED)
     candidates = sorted(
-        (o for o in ctx.operations.values() if o.status in done_states),
-        key=lambda o: o.created_at,
+        (o for o in ctx.operations.values() if o.status in done_states and o.step_id in order),
+        key=lambda o: order[o.step_id],
         reverse=True,
     )
     done = []
     for op in candidates:
         if step_ids and op.step_id not in step_ids:
             continue
-        tool = ctx.app.tool_def(op.tool)
-        if tool.compensate is None:
+        tool = ctx.app.tool_def(op.tool, missing_ok=True)
+        if tool is None or tool.compensate is None:
             continue
         undo = ctx.app.compensation_def(tool)
         operation = Operation(

@@ -12,6 +12,7 @@ import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from durably import context, faults
@@ -54,7 +55,7 @@ CHECKPOINTS_READ = 3
 """Checkpoints read on resume; more are read only when all of these fail their checksum."""
 
 
-_PAUSE_REASONS: dict[type[Exception], PauseReason] = {
+_PAUSE_REASONS: dict[type[BaseException], PauseReason] = {
     NonDeterminismError: PauseReason.NON_DETERMINISM,
     IdempotencyConflict: PauseReason.IDEMPOTENCY_CONFLICT,
     CheckpointCorrupted: PauseReason.CHECKPOINT_CORRUPTED,
@@ -90,7 +91,17 @@ class RunContext:
     failed. The store, read again by whoever continues the run, is then the truth."""
     draining: asyncio.Event | None = None
     """Set when the worker shuts down: the run is released at its next call boundary."""
+    poisoned: DurablyError | None = None
+    """A divergence found in this execution (non-determinism, idempotency conflict): the
+    run pauses with it even if workflow code caught the exception."""
     by_position: dict[int, StepRecord] = field(init=False)
+    reached: list[str] = field(default_factory=list)
+    """Step ids allocated in this execution, in order."""
+    inflight: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    """Tool executions between their call and their recorded outcome."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Serialises this run's commits, so that checkpoints follow the order results commit in
+    (parallel calls would otherwise race on separate connections)."""
 
     def __post_init__(self) -> None:
         self.by_position = {s.position: s for s in self.steps.values()}
@@ -99,13 +110,41 @@ class RunContext:
         """The deterministic step id of the next call: ``<name>#<n>`` or the explicit one."""
         if self.stopped:
             raise Suspend
-        self.positions += 1
         self.counters[name] += 1
-        return (explicit or f"{name}#{self.counters[name]}"), self.positions
+        step_id = explicit or f"{name}#{self.counters[name]}"
+        if step_id in self.reached:
+            raise self.poison(
+                NonDeterminismError(
+                    f"step id {step_id!r} is used twice in this run; give each call its own "
+                    "step id (with_step_id) or let durably number them",
+                    run_id=self.run.run_id,
+                    step_id=step_id,
+                )
+            )
+        self.positions += 1
+        self.reached.append(step_id)
+        return step_id, self.positions
+
+    def poison(self, error: DurablyError) -> DurablyError:
+        if self.poisoned is None:
+            self.poisoned = error
+        return error
+
+    async def quiesce(self, *, exclude: int | None = None) -> None:
+        """Wait until the run's other in-flight tool executions have recorded their outcome.
+
+        Parallel calls keep running when one of them fails or pauses the run; their
+        outcomes must be recorded before the run is released, or they would need
+        reconciling although this worker knew them.
+        """
+        pending = [f for key, f in self.inflight.items() if key != exclude]
+        if pending:
+            await asyncio.wait([asyncio.shield(f) for f in pending])
 
     async def boundary(self) -> None:
         """Before a call starts: release the run here if the worker is shutting down."""
         if self.draining is not None and self.draining.is_set() and not self.stopped:
+            await self.quiesce()
             await self.commit(
                 Transition(
                     events=[EventWrite("run_released", None, {"reason": "shutdown"})], release=True
@@ -114,13 +153,34 @@ class RunContext:
             self.stopped = True
             raise Suspend
 
-    async def commit(self, transition: Transition) -> Committed:
-        try:
-            committed = await self.store.commit(self.lease, transition)
-        except (LeaseLostError, StoreUnavailable):
-            self.stopped = True
-            raise
-        if transition.checkpoint is not None:
+    async def commit(
+        self,
+        transition: Transition | Callable[[], Transition],
+        *,
+        settle: tuple[str, str] | None = None,
+        effect: str | None = None,
+    ) -> Committed:
+        """Commit under this run's lease, one commit at a time.
+
+        ``transition`` may be a function, called under the lock after ``settle`` (a step id
+        and its output JSON) and ``effect`` (an idempotency key) were added to the journal,
+        so the checkpoint it drafts includes them.
+        """
+        async with self.lock:
+            if self.stopped:
+                raise Suspend
+            if settle is not None:
+                self.journal.settle(*settle)
+            if effect is not None:
+                self.journal.effect_completed(effect)
+            self.journal.budget = self.budget()
+            t = transition() if callable(transition) else transition
+            try:
+                committed = await self.store.commit(self.lease, t)
+            except (LeaseLostError, StoreUnavailable):
+                self.stopped = True
+                raise
+        if t.checkpoint is not None:
             faults.crash_point("checkpoint.after_write")
         return committed
 
@@ -130,54 +190,73 @@ class RunContext:
         if step is None:
             other = self.by_position.get(position)
             if other is not None:
-                raise NonDeterminismError(
-                    f"call #{position} of this run was recorded as {other.kind} "
-                    f"{other.step_id!r} but the workflow now calls {kind} {step_id!r} there; "
-                    "the workflow code changed under a running run. Deploy the old code for "
-                    "it, or start a new run",
-                    run_id=self.run.run_id,
-                    step_id=step_id,
+                raise self.poison(
+                    NonDeterminismError(
+                        f"call #{position} of this run was recorded as {other.kind} "
+                        f"{other.step_id!r} but the workflow now calls {kind} {step_id!r} there; "
+                        "the workflow code changed under a running run. Deploy the old code for "
+                        "it, or start a new run",
+                        run_id=self.run.run_id,
+                        step_id=step_id,
+                    )
                 )
             return
         if step.kind != kind or step.name != name:
-            raise NonDeterminismError(
-                f"step {step.step_id} was recorded as {step.kind} {step.name!r} but the "
-                f"workflow now calls {kind} {name!r} there; the workflow code changed under a "
-                "running run. Deploy the old code for it, or give the new call step_id=...",
-                run_id=self.run.run_id,
-                step_id=step.step_id,
+            raise self.poison(
+                NonDeterminismError(
+                    f"step {step.step_id} was recorded as {step.kind} {step.name!r} but the "
+                    f"workflow now calls {kind} {name!r} there; the workflow code changed under a "
+                    "running run. Deploy the old code for it, or give the new call step_id=...",
+                    run_id=self.run.run_id,
+                    step_id=step.step_id,
+                )
             )
         if kind == "step" and step.input_hash != ih:
-            raise NonDeterminismError(
-                f"step {step.step_id} ({name}) is called with other arguments than recorded; "
-                "workflow code between calls must be deterministic (no clock, random or I/O "
-                "outside steps)",
-                run_id=self.run.run_id,
-                step_id=step.step_id,
+            raise self.poison(
+                NonDeterminismError(
+                    f"step {step.step_id} ({name}) is called with other arguments than recorded; "
+                    "workflow code between calls must be deterministic (no clock, random or I/O "
+                    "outside steps)",
+                    run_id=self.run.run_id,
+                    step_id=step.step_id,
+                )
             )
 
     def budget(self) -> dict[str, Any]:
         return {"steps": self.counters.total(), "positions": self.positions}
 
 
-async def call_step(
+def call_step(
     ctx: RunContext,
     sdef: StepDef,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     explicit: str | None,
-) -> Any:
+) -> Coroutine[Any, Any, Any]:
+    """Allocate the call's step id now (creation order is the deterministic order, also
+    for calls gathered in parallel) and return the coroutine that runs or replays it."""
     step_id, position = ctx.allocate(sdef.name, explicit)
     arguments = bind_arguments(sdef.signature, sdef.name, args, kwargs)
     ih = input_hash(sdef.name, sdef.version, arguments)
     ctx.replayed(step_id, position, "step", sdef.name, ih)
+    return _run_step(ctx, sdef, args, kwargs, step_id, position, ih)
+
+
+async def _run_step(
+    ctx: RunContext,
+    sdef: StepDef,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    step_id: str,
+    position: int,
+    ih: str,
+) -> Any:
     recorded = ctx.steps.get(step_id)
-    if recorded is None:
-        await ctx.boundary()
     if recorded is not None and recorded.status is StepStatus.SUCCEEDED:
         return json.loads(recorded.output_json or "null")
     if recorded is not None and recorded.status is StepStatus.FAILED:
         raise _step_failed(ctx, step_id, recorded.error or {})
+    await ctx.boundary()
     attempt = 0
     while True:
         attempt += 1
@@ -209,10 +288,8 @@ async def call_step(
     output_json = canonical_json(
         value, what=f"the result of step {step_id}", limit=ctx.app.max_payload_bytes
     )
-    ctx.journal.settle(step_id, output_json)
-    ctx.journal.budget = ctx.budget()
     await ctx.commit(
-        Transition(
+        lambda: Transition(
             events=[
                 EventWrite(
                     "step_succeeded",
@@ -232,7 +309,8 @@ async def call_step(
                 settle=True,
             ),
             checkpoint=ctx.journal.draft(status=RunStatus.RUNNING, current_step=step_id),
-        )
+        ),
+        settle=(step_id, output_json),
     )
     # Result, event and checkpoint are one transaction: checkpoint.after_write (fired by
     # the commit) and this window are the same moment.
@@ -352,7 +430,8 @@ async def _drive(app: App, claim: Claim, draining: asyncio.Event | None) -> None
     try:
         ctx = await load_context(app, claim)
     except CheckpointCorrupted as exc:
-        await _finish(app, claim.lease, RunStatus.PAUSED, PauseReason.CHECKPOINT_CORRUPTED, exc)
+        ending = _ending(RunStatus.PAUSED, PauseReason.CHECKPOINT_CORRUPTED, exc, None)
+        await app.store.commit(claim.lease, ending)
         return
     for op in ctx.operations.values():
         if op.status not in (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED):
@@ -368,31 +447,35 @@ async def _drive(app: App, claim: Claim, draining: asyncio.Event | None) -> None
         except Suspend:
             return
         except Exception as exc:
-            if ctx.stopped:
-                # Lease lost or store failure, possibly swallowed and re-raised as something
-                # else by workflow code: nothing more is written from here.
-                log.warning("run %s: stopped (%r)", ctx.run.run_id, exc)
-                return
-            reason = _PAUSE_REASONS.get(type(exc))
+            outcome: BaseException | None = exc
+        else:
+            outcome = None
+        # Parallel calls may still be executing: record their outcomes before the run ends.
+        await ctx.quiesce()
+        if ctx.stopped:
+            # Lease lost or store failure, possibly swallowed or re-raised as something else
+            # by workflow code: nothing more is written from here.
+            log.warning("run %s: stopped (%r)", ctx.run.run_id, outcome)
+            return
+        failure = ctx.poisoned or outcome
+        if failure is not None:
+            reason = _PAUSE_REASONS.get(type(failure))
             if reason is not None:
                 # The code or the data changed under the run: a person must look; failing
                 # it would be final, and guessing would be worse.
-                await _finish(app, ctx.lease, RunStatus.PAUSED, reason, exc, ctx)
+                await _finish(ctx, RunStatus.PAUSED, reason, failure)
             else:
-                await _finish(app, ctx.lease, RunStatus.FAILED, None, exc, ctx)
-            return
-        if ctx.stopped:
+                await _finish(ctx, RunStatus.FAILED, None, failure)
             return
         try:
             result_json = canonical_json(
                 result, what=f"the result of workflow {wf.name}", limit=app.max_payload_bytes
             )
         except (NotJSONSerializable, PayloadTooLarge) as exc:
-            await _finish(app, ctx.lease, RunStatus.FAILED, None, exc, ctx)
+            await _finish(ctx, RunStatus.FAILED, None, exc)
             return
-        ctx.journal.budget = ctx.budget()
         await ctx.commit(
-            Transition(
+            lambda: Transition(
                 events=[
                     EventWrite("run_completed", None, {"result_hash": sha256_hex(result_json)})
                 ],
@@ -401,36 +484,36 @@ async def _drive(app: App, claim: Claim, draining: asyncio.Event | None) -> None
                 release=True,
             )
         )
+    except Suspend:
+        return
     finally:
         context._run.reset(token)
         heartbeat.cancel()
 
 
-async def _finish(
-    app: App,
-    lease: Lease,
-    status: RunStatus,
-    reason: PauseReason | None,
-    exc: BaseException,
-    ctx: RunContext | None = None,
-) -> None:
+def _ending(
+    status: RunStatus, reason: PauseReason | None, exc: BaseException, ctx: RunContext | None
+) -> Transition:
+    """The transition that records a failed or paused run and releases it."""
     error = error_dict(exc)
     if isinstance(exc, DurablyError) and exc.step_id:
         error["step_id"] = exc.step_id
     event = "run_failed" if status is RunStatus.FAILED else "run_paused"
-    payload = {"reason": reason.value if reason else None, **error}
+    return Transition(
+        events=[EventWrite(event, None, {"reason": reason.value if reason else None, **error})],
+        run=RunUpdate(status, status_reason=reason.value if reason else None, error=error),
+        checkpoint=ctx.journal.draft(status=status, current_step=None) if ctx else None,
+        release=True,
+    )
+
+
+async def _finish(
+    ctx: RunContext, status: RunStatus, reason: PauseReason | None, exc: BaseException
+) -> None:
     try:
-        await app.store.commit(
-            lease,
-            Transition(
-                events=[EventWrite(event, None, payload)],
-                run=RunUpdate(status, status_reason=reason.value if reason else None, error=error),
-                checkpoint=ctx.journal.draft(status=status, current_step=None) if ctx else None,
-                release=True,
-            ),
-        )
-    except (LeaseLostError, StoreUnavailable) as lost:
-        log.warning("run %s: could not record %s (%s)", lease.run_id, status, lost)
+        await ctx.commit(lambda: _ending(status, reason, exc, ctx))
+    except (LeaseLostError, StoreUnavailable, Suspend) as lost:
+        log.warning("run %s: could not record %s (%r)", ctx.run.run_id, status, lost)
 
 
 async def _heartbeat(ctx: RunContext) -> None:
