@@ -11,8 +11,8 @@ import asyncio
 import json
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from durably import context, faults
