@@ -29,13 +29,14 @@ from durably.errors import (
     ConfigurationError,
     DurablyError,
     IdempotencyConflict,
+    InvalidInput,
     InvalidTransition,
     RunNotFound,
 )
 from durably.keys import DEFAULT_MAX_PAYLOAD_BYTES, canonical_json, plain_json, sha256_hex
 from durably.metrics import Metrics
 from durably.reconcile import Operation
-from durably.status import FailureCategory, OperationStatus, RunStatus, StepStatus
+from durably.status import FailureCategory, OperationStatus, PauseReason, RunStatus, StepStatus
 from durably.store import open_store
 from durably.store.base import (
     Event,
@@ -364,6 +365,13 @@ class App:
     ) -> str:
         """Record a new queued run (idempotent on ``run_id``) and return its id."""
         wf = self._resolve_workflow(workflow)
+        try:
+            inspect.signature(wf.fn).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise InvalidInput(
+                f"workflow {wf.name} cannot take this input ({exc}); its signature is "
+                f"{wf.name}{inspect.signature(wf.fn)}"
+            ) from None
         store = await self.open()
         run_input = {"args": list(args), "kwargs": kwargs}
         input_json = canonical_json(
@@ -627,7 +635,13 @@ class App:
                 f"run {run_id} is {record.status} (final); fork a new run to do more",
                 run_id=run_id,
             )
-        if record.status is RunStatus.PAUSED:
+        waiting = record.waiting_for or {}
+        if record.status_reason == PauseReason.PERMISSION and waiting.get("step_id"):
+            # Resuming after re-authorisation: the refused call is attempted again.
+            await self.resolve_effect_async(
+                run_id, str(waiting["step_id"]), "not_executed", by="resume"
+            )
+        elif record.status is RunStatus.PAUSED:
             await store.commit(
                 Expect(run_id, record.state_version),
                 Transition(

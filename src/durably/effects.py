@@ -156,14 +156,16 @@ class Effect:
                 await self._prepare()
             elif action is Action.CONFLICT:
                 metrics.idempotency_conflict.labels(tool=self.tool.name).inc()
-                raise IdempotencyConflict(
-                    f"tool {self.tool.name} at {self.step_id} was recorded with other "
-                    "arguments under the same idempotency key; the recorded result is not "
-                    "reused. Keep the call's arguments deterministic, or replan "
-                    "(durably.replan()) to make it a new business operation",
-                    run_id=self.ctx.run.run_id,
-                    step_id=self.step_id,
-                    idempotency_key=self.key,
+                raise self.ctx.poison(
+                    IdempotencyConflict(
+                        f"tool {self.tool.name} at {self.step_id} was recorded with other "
+                        "arguments under the same idempotency key; the recorded result is not "
+                        "reused. Keep the call's arguments deterministic, or replan "
+                        "(durably.replan()) to make it a new business operation",
+                        run_id=self.ctx.run.run_id,
+                        step_id=self.step_id,
+                        idempotency_key=self.key,
+                    )
                 )
             elif action is Action.RETURN:
                 metrics.idempotency_hit.labels(tool=self.tool.name).inc()

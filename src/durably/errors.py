@@ -6,6 +6,7 @@
     ├── ConfigurationError          bad decorator options, unknown workflow, bad database URL
     ├── NotJSONSerializable         a value that must be stored is not plain JSON
     ├── PayloadTooLarge             a stored value is over the size limit
+    ├── InvalidInput                a run's input does not fit its workflow's signature
     ├── OutsideRunError             a step or tool called outside a workflow run
     ├── RunNotFound
     ├── InvalidTransition           the run or effect is not in a state that allows the request
@@ -59,6 +60,10 @@ class NotJSONSerializable(DurablyError):
 
 class PayloadTooLarge(DurablyError):
     """A value that durably must persist exceeds the configured size limit."""
+
+
+class InvalidInput(DurablyError):
+    """A run's input does not fit the workflow's signature."""
 
 
 class OutsideRunError(DurablyError):

@@ -91,6 +91,8 @@ class RunContext:
     failed. The store, read again by whoever continues the run, is then the truth."""
     draining: asyncio.Event | None = None
     """Set when the worker shuts down: the run is released at its next call boundary."""
+    lost: DurablyError | None = None
+    """Why this execution stopped writing: LeaseLostError or StoreUnavailable."""
     poisoned: DurablyError | None = None
     """A divergence found in this execution (non-determinism, idempotency conflict): the
     run pauses with it even if workflow code caught the exception."""
@@ -124,6 +126,12 @@ class RunContext:
         self.positions += 1
         self.reached.append(step_id)
         return step_id, self.positions
+
+    def stop_writing(self, reason: DurablyError) -> None:
+        self.stopped = True
+        if self.lost is None:
+            self.lost = reason
+            log.warning("run %s: stopped (%s)", self.run.run_id, reason)
 
     def poison(self, error: DurablyError) -> DurablyError:
         if self.poisoned is None:
@@ -177,8 +185,8 @@ class RunContext:
             t = transition() if callable(transition) else transition
             try:
                 committed = await self.store.commit(self.lease, t)
-            except (LeaseLostError, StoreUnavailable):
-                self.stopped = True
+            except (LeaseLostError, StoreUnavailable) as exc:
+                self.stop_writing(exc)
                 raise
         if t.checkpoint is not None:
             faults.crash_point("checkpoint.after_write")
@@ -372,6 +380,7 @@ async def verified(store: Store, journal: Journal) -> tuple[JournalState, EventW
             }
 
         verification = verify_journal(settled, stored, from_events)
+    _check_ledger_matches_journal(journal)
     state = _journal_state(run_id, journal.steps, journal.operations)
     if not verification.corrupted_checkpoints:
         return state, None
@@ -384,6 +393,40 @@ async def verified(store: Store, journal: Journal) -> tuple[JournalState, EventW
             "recovered_from": anchor.checkpoint_id if anchor else "event_log",
         },
     )
+
+
+def _check_ledger_matches_journal(journal: Journal) -> None:
+    """Every settled tool result must be its operation's recorded result, and vice versa.
+
+    The journal is verified against checkpoints and events; the tool ledger is checked
+    against the journal, so neither an altered result nor an altered status is replayed.
+    """
+    ops = {o.idempotency_key: o for o in journal.operations}
+    done = (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED)
+    for step in journal.steps:
+        if step.kind != "tool" or step.idempotency_key is None:
+            continue
+        op = ops.get(step.idempotency_key)
+        settled = step.settled_sequence is not None
+        if op is None:
+            bad = settled
+        elif settled or op.status in done:
+            bad = (
+                not settled
+                or op.status not in done
+                or op.result_json is None
+                or sha256_hex(op.result_json) != sha256_hex(step.output_json or "null")
+            )
+        else:
+            bad = False
+        if bad:
+            raise CheckpointCorrupted(
+                f"the tool ledger disagrees with the verified journal at {step.step_id} "
+                f"(operation {step.idempotency_key}); it was altered. Inspect the run's events "
+                "before resolving it by hand",
+                run_id=journal.run.run_id,
+                step_id=step.step_id,
+            )
 
 
 async def load_context(app: App, claim: Claim) -> RunContext:
@@ -453,9 +496,8 @@ async def _drive(app: App, claim: Claim, draining: asyncio.Event | None) -> None
         # Parallel calls may still be executing: record their outcomes before the run ends.
         await ctx.quiesce()
         if ctx.stopped:
-            # Lease lost or store failure, possibly swallowed or re-raised as something else
-            # by workflow code: nothing more is written from here.
-            log.warning("run %s: stopped (%r)", ctx.run.run_id, outcome)
+            # Lease lost or store failure (logged when it happened), possibly swallowed or
+            # re-raised as something else by workflow code: nothing more is written.
             return
         failure = ctx.poisoned or outcome
         if failure is not None:
@@ -522,8 +564,8 @@ async def _heartbeat(ctx: RunContext) -> None:
         await asyncio.sleep(interval)
         try:
             await ctx.store.heartbeat(ctx.lease)
-        except LeaseLostError:
-            ctx.stopped = True
+        except LeaseLostError as exc:
+            ctx.stop_writing(exc)
             return
         except StoreUnavailable as exc:
             # The next heartbeat or commit tries again; the lease may still be ours.

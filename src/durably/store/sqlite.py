@@ -7,6 +7,7 @@ about as much as it could overlap, so the event loop simply waits for it.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 import time
@@ -98,6 +99,19 @@ class SQLiteStore(Store):
                 self._conn.execute("COMMIT")
             except sqlite3.OperationalError as exc:
                 # Locked past the busy timeout, disk full, I/O error: not the run's fault.
+                # A failed COMMIT can leave the transaction open: close it, or every later
+                # BEGIN would fail too.
+                if self._conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._conn.execute("ROLLBACK")
+                raise StoreUnavailable(f"{self.url}: {exc}") from exc
+
+    @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                yield self._conn
+            except sqlite3.OperationalError as exc:
                 raise StoreUnavailable(f"{self.url}: {exc}") from exc
 
     # -- schema -------------------------------------------------------------------------
@@ -457,17 +471,15 @@ class SQLiteStore(Store):
     # -- reads --------------------------------------------------------------------------
 
     async def get_run(self, run_id: str) -> RunRecord | None:
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT * FROM durably_runs WHERE run_id = ?", (run_id,)
-            ).fetchone()
+        with self._reading() as db:
+            row = db.execute("SELECT * FROM durably_runs WHERE run_id = ?", (run_id,)).fetchone()
         return None if row is None else run_from_row(row)
 
     async def list_runs(
         self, *, status: RunStatus | None = None, workflow: str | None = None, limit: int = 100
     ) -> list[RunRecord]:
-        with self._lock:
-            rows = self._conn.execute(
+        with self._reading() as db:
+            rows = db.execute(
                 "SELECT * FROM durably_runs WHERE (? IS NULL OR status = ?) "
                 "AND (? IS NULL OR workflow = ?) ORDER BY created_at DESC, run_id LIMIT ?",
                 (status, status, workflow, workflow, limit),
@@ -476,7 +488,7 @@ class SQLiteStore(Store):
 
     async def load_journal(self, run_id: str, *, checkpoints: int = 3) -> Journal | None:
         # A deferred transaction gives one consistent snapshot of the three tables.
-        with self._lock:
+        with self._reading():
             self._conn.execute("BEGIN")
             try:
                 row = self._conn.execute(
@@ -510,8 +522,8 @@ class SQLiteStore(Store):
         )
 
     async def events(self, run_id: str, *, after: int = 0) -> list[Event]:
-        with self._lock:
-            rows = self._conn.execute(
+        with self._reading() as db:
+            rows = db.execute(
                 "SELECT * FROM durably_events WHERE run_id = ? AND sequence > ? ORDER BY sequence",
                 (run_id, after),
             ).fetchall()
@@ -529,8 +541,8 @@ class SQLiteStore(Store):
         ]
 
     async def checkpoints(self, run_id: str) -> list[StoredCheckpoint]:
-        with self._lock:
-            rows = self._conn.execute(
+        with self._reading() as db:
+            rows = db.execute(
                 "SELECT payload_json, checksum FROM durably_checkpoints WHERE run_id = ? "
                 "ORDER BY state_version DESC",
                 (run_id,),
@@ -542,8 +554,8 @@ class SQLiteStore(Store):
             return None
         marks = ", ".join("?" for _ in workflows)
         now = time.time()
-        with self._lock:
-            row = self._conn.execute(
+        with self._reading() as db:
+            row = db.execute(
                 f"SELECT min(max(available_at, coalesce(lease_until, 0))) FROM durably_runs "
                 f"WHERE status IN ({_RUNNABLE_SQL}) "
                 f"AND workflow || '|' || workflow_version IN ({marks}) "
