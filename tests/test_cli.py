@@ -55,6 +55,12 @@ APP_SOURCE = textwrap.dedent(
         return {"charge": await charge(amount), "amount": amount}
 
 
+    @app.workflow()
+    async def approval() -> object:
+        payload = await durably.wait_for_event("approved", timeout=60)
+        return payload
+
+
     not_an_app = 42
     """
 )
@@ -277,6 +283,77 @@ def test_runs_show_of_a_missing_run(project: Path) -> None:
     assert result.stderr.startswith("error: no run 'nope'")
 
 
+def test_event_is_delivered_once_and_completes_the_waiting_run(project: Path) -> None:
+    ok("start", "approval", "--run-id", "a-1")
+    ok("worker", "--until-idle")
+    waiting = ok_json("runs", "show", "a-1")
+    assert waiting["status"] == "waiting_external"
+
+    payload = '{"ok": true}'
+    assert ok("event", "a-1", "approved", "--payload", payload, "--event-id", "e1") == (
+        "delivered\n"
+    )
+    assert ok("event", "a-1", "approved", "--payload", payload, "--event-id", "e1") == (
+        "duplicate ignored\n"
+    )
+    assert ok_json("event", "a-1", "approved", "--event-id", "e1") == {
+        "run_id": "a-1",
+        "name": "approved",
+        "event_id": "e1",
+        "result": "duplicate ignored",
+    }
+
+    ok("worker", "--until-idle")
+    done = ok_json("runs", "show", "a-1")
+    assert done["status"] == "completed"
+    assert done["result"] == {"ok": True}
+
+    late = durably("event", "a-1", "approved", "--event-id", "e2")
+    assert late.exit_code == 1
+    assert late.stdout == ""
+    assert late.stderr.startswith("error: ")
+    assert "Traceback" not in late.output
+
+
+def test_event_without_an_id_gets_one_that_can_be_sent_again(project: Path) -> None:
+    ok("start", "approval", "--run-id", "a-1")
+    ok("worker", "--until-idle")
+    sent = ok_json("event", "a-1", "approved", "--payload", "[1, 2]")
+    assert sent["result"] == "delivered"
+    assert len(sent["event_id"]) == 32
+    again = ok_json("event", "a-1", "approved", "--event-id", sent["event_id"])
+    assert again["result"] == "duplicate ignored"
+    ok("worker", "--until-idle")
+    assert ok_json("runs", "show", "a-1")["result"] == [1, 2]
+
+
+def test_event_rejects_bad_json_and_unknown_runs(project: Path) -> None:
+    bad_json = durably("event", "a-1", "approved", "--payload", "{ok: true}")
+    assert bad_json.exit_code == 2
+    assert "not valid JSON" in bad_json.stderr
+    unknown = durably("event", "nope", "approved", "--event-id", "e1")
+    assert unknown.exit_code == 1
+    assert unknown.stderr.startswith("error: ")
+    assert "nope" in unknown.stderr
+
+
+def test_cancel_of_a_waiting_run(project: Path) -> None:
+    ok("start", "approval", "--run-id", "a-1")
+    ok("start", "approval", "--run-id", "a-2")
+    ok("worker", "--until-idle")
+
+    assert ok("cancel", "a-1") == "a-1: cancelled\n"
+    assert ok_json("runs", "show", "a-1")["status"] == "cancelled"
+    assert ok_json("runs", "show", "a-2")["status"] == "waiting_external"
+    assert ok_json("cancel", "a-2")["status"] == "cancelled"
+
+    again = durably("cancel", "a-1")
+    assert again.exit_code == 1
+    assert again.stderr.startswith("error: run a-1 is already cancelled")
+    # A cancelled run takes no more events.
+    assert durably("event", "a-1", "approved", "--event-id", "e1").exit_code == 1
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -333,6 +410,8 @@ def test_every_command_has_help(project: Path) -> None:
         ["runs", "show"],
         ["resolve"],
         ["resume"],
+        ["event"],
+        ["cancel"],
         ["migrate"],
         ["demo"],
     ]:

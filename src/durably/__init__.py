@@ -30,6 +30,7 @@ from durably.errors import (
     StepFailed,
     StoreUnavailable,
     ToolError,
+    WaitTimeout,
 )
 from durably.faults import crash_point
 from durably.reconcile import Operation, Reconciliation
@@ -42,6 +43,7 @@ from durably.status import (
     StepStatus,
 )
 from durably.store.base import Event
+from durably.waits import sleep, wait_for_event
 from durably.workflow_api import compensate
 
 __all__ = [
@@ -77,9 +79,12 @@ __all__ = [
     "StepStatus",
     "StoreUnavailable",
     "ToolError",
+    "WaitTimeout",
     "compensate",
     "crash_point",
     "current_run",
     "idempotency_key",
     "register_checkpoint_migration",
+    "sleep",
+    "wait_for_event",
 ]

@@ -9,6 +9,7 @@ import os
 import secrets
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -291,6 +292,10 @@ class App:
         if tool is None and not missing_ok:
             raise ConfigurationError(f"no tool named {name!r} is registered")
         return tool
+
+    async def compensate_run(self, ctx: runtime.RunContext) -> list[str]:
+        """Compensate every effect the execution reached (a cancellation asked for it)."""
+        return await effects.compensate(ctx, ())
 
     def compensation_def(self, tool: ToolDef) -> ToolDef:
         """The compensation of ``tool``, itself an effect recorded in the ledger."""
@@ -654,6 +659,65 @@ class App:
     def resume(self, run_id: str) -> Run:
         """Resume a paused or stalled run in this process."""
         return self._loop.call(self.resume_async(run_id))
+
+    async def send_event_async(
+        self, run_id: str, name: str, payload: Any = None, *, event_id: str | None = None
+    ) -> Literal["delivered", "duplicate ignored"]:
+        store = await self.open()
+        payload_json = canonical_json(
+            payload, what=f"the payload of event {name!r}", limit=self.max_payload_bytes
+        )
+        delivered = await store.deliver_signal(
+            run_id, event_id or uuid.uuid4().hex, name, payload_json
+        )
+        return "delivered" if delivered else "duplicate ignored"
+
+    def send_event(
+        self, run_id: str, name: str, payload: Any = None, *, event_id: str | None = None
+    ) -> Literal["delivered", "duplicate ignored"]:
+        """Deliver an event to a run, exactly once per ``event_id`` (the sender's id).
+
+        A run waiting in ``wait_for_event(name)`` becomes due and a worker resumes it; an
+        event that arrives first is kept for the wait. A second delivery of the same
+        ``event_id`` changes nothing and returns ``"duplicate ignored"``. Raises
+        RunNotFound, or InvalidTransition if the run is finished.
+        """
+        return self._loop.call(self.send_event_async(run_id, name, payload, event_id=event_id))
+
+    async def cancel_async(self, run_id: str, *, compensate: bool = False) -> Run:
+        store = await self.open()
+        record = await store.get_run(run_id)
+        if record is None:
+            raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+        if record.status.is_final:
+            raise InvalidTransition(f"run {run_id} is already {record.status}", run_id=run_id)
+        leased = record.lease_owner is not None and (record.lease_until or 0) > time.time()
+        if not leased and not compensate:
+            try:
+                await store.commit(
+                    Expect(run_id, record.state_version),
+                    Transition(
+                        events=[EventWrite("run_cancelled", None, {"compensated": []})],
+                        run=RunUpdate(RunStatus.CANCELLED, status_reason="cancelled"),
+                    ),
+                )
+                return await self.get_run_async(run_id)
+            except InvalidTransition:
+                pass  # a worker took it meanwhile: ask it to stop at its next boundary
+        await store.request_cancel(run_id, compensate=compensate)
+        if not leased:
+            # Compensations are effects: replay the run here up to its next boundary.
+            return await self.execute_async(run_id)
+        return await self.get_run_async(run_id)
+
+    def cancel(self, run_id: str, *, compensate: bool = False) -> Run:
+        """Cancel a run at its next call boundary — never in the middle of an effect.
+
+        ``compensate=True`` first runs the compensations of the effects it made (newest
+        first, each once). A run held by a worker is stopped by that worker; the returned
+        run may still show it running. Cancelled is final.
+        """
+        return self._loop.call(self.cancel_async(run_id, compensate=compensate))
 
     async def describe_async(self, run_id: str) -> dict[str, Any]:
         """Everything about a run as plain JSON: the document behind ``runs show --json``."""

@@ -1,4 +1,5 @@
-"""The ``durably`` command line: start runs, run workers, inspect runs and settle them by hand.
+"""The ``durably`` command line: start runs, run workers, inspect runs, send them events,
+cancel them and settle them by hand.
 
 The app comes from ``--app module:attr`` (or ``$DURABLY_APP``), the database from ``--db``
 (or ``$DURABLY_DATABASE_URL``), else the app's own URL. ``--json`` output is JSON on stdout
@@ -13,6 +14,7 @@ import importlib
 import json
 import os
 import sys
+import uuid
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -139,7 +141,8 @@ def _echo_run(run: Run, as_json: bool) -> None:
     if as_json:
         _echo_json(_run_json(run))
         return
-    reason = f" ({run.status_reason})" if run.status_reason else ""
+    shown = run.status_reason and run.status_reason != run.status.value
+    reason = f" ({run.status_reason})" if shown else ""
     click.echo(f"{run.run_id}: {run.status.value}{reason}")
     if run.status is RunStatus.COMPLETED:
         click.echo(f"result: {json.dumps(run.result, ensure_ascii=False)}")
@@ -358,6 +361,59 @@ def resume(config: _Config, run_id: str, as_json: bool) -> None:
     app = config.app()
     run = _run(app, lambda: app.resume_async(run_id))
     _echo_run(run, as_json)
+
+
+@cli.command()
+@click.argument("run_id")
+@click.argument("name")
+@click.option(
+    "--payload", callback=_parse_json, metavar="JSON", help="The event's payload as JSON."
+)
+@click.option(
+    "--event-id",
+    metavar="ID",
+    help="The sender's id for this event; sending the same id again changes nothing "
+    "(default: a new id, shown with --json).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the delivery as JSON.")
+@pass_config
+def event(
+    config: _Config, run_id: str, name: str, payload: Any, event_id: str | None, as_json: bool
+) -> None:
+    """Send event NAME to run RUN_ID, once per event id. A run waiting in
+    wait_for_event(NAME) becomes due and a worker continues it; an event sent earlier is
+    kept for that wait. Prints `delivered` or `duplicate ignored`."""
+    # Chosen here, not by the app, so --json can show it and a caller can re-send it.
+    eid = event_id or uuid.uuid4().hex
+    app = config.app()
+    result = _run(app, lambda: app.send_event_async(run_id, name, payload, event_id=eid))
+    if as_json:
+        _echo_json({"run_id": run_id, "name": name, "event_id": eid, "result": result})
+    else:
+        click.echo(result)
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option(
+    "--compensate",
+    is_flag=True,
+    help="First run the compensations of the effects the run made, newest first.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
+@pass_config
+def cancel(config: _Config, run_id: str, compensate: bool, as_json: bool) -> None:
+    """Cancel run RUN_ID at its next call boundary, never in the middle of an effect.
+    Cancelled is final. A run held by a live worker is stopped by that worker, so it may
+    still show running here."""
+    app = config.app()
+    run = _run(app, lambda: app.cancel_async(run_id, compensate=compensate))
+    _echo_run(run, as_json)
+    if not as_json and not run.status.is_final:
+        click.echo(
+            f"note: a worker holds {run.run_id}; it cancels the run at its next call boundary "
+            f"(check with `durably runs show {run.run_id}`)"
+        )
 
 
 @cli.command()

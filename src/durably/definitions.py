@@ -85,6 +85,8 @@ class ToolDef:
 def check_name(kind: str, name: str, taken: dict[str, Any]) -> None:
     if not name or "#" in name or "|" in name:
         raise ConfigurationError(f"{kind} name {name!r} is empty or contains '#' or '|'")
+    if name.startswith("durably."):
+        raise ConfigurationError(f"{kind} name {name!r}: the 'durably.' prefix is reserved")
     if name in taken:
         raise ConfigurationError(f"{kind} {name!r} is registered twice; give one of them name=...")
 

@@ -17,6 +17,7 @@
     ├── SchemaTooNew                the database was migrated by newer code
     ├── StoreUnavailable            the database cannot be reached or refused the transaction
     ├── StepFailed                  a step or tool failed for good; raised inside the workflow
+    ├── WaitTimeout                 wait_for_event's timeout passed; raised inside the workflow
     ├── ToolError                   raised BY a tool to state the failure category
     └── OutcomeUnknown              raised BY a tool: the request may have taken effect
 
@@ -126,6 +127,10 @@ class StepFailed(DurablyError):
         self.category = category
         self.error_type = error_type
         self.error_message = error_message
+
+
+class WaitTimeout(DurablyError):
+    """No event arrived before ``wait_for_event``'s timeout. Raised inside the workflow."""
 
 
 class ToolError(DurablyError):

@@ -40,6 +40,7 @@ from durably.store.base import (
     OperationRecord,
     RunRecord,
     RunUpdate,
+    Signal,
     StepRecord,
     StepWrite,
     Store,
@@ -60,6 +61,10 @@ _PAUSE_REASONS: dict[type[BaseException], PauseReason] = {
     IdempotencyConflict: PauseReason.IDEMPOTENCY_CONFLICT,
     CheckpointCorrupted: PauseReason.CHECKPOINT_CORRUPTED,
 }
+
+
+class Cancel(BaseException):
+    """Unwinds a workflow whose cancellation was requested, at a call boundary."""
 
 
 class Suspend(BaseException):
@@ -101,6 +106,11 @@ class RunContext:
     """Step ids allocated in this execution, in order."""
     inflight: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     """Tool executions between their call and their recorded outcome."""
+    signals: list[Signal] = field(default_factory=list)
+    """Events delivered to the run and not consumed yet, in arrival order."""
+    cancel_requested: int = 0
+    """0: no; 1: cancel at the next boundary; 2: cancel and compensate."""
+    cancelling: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this run's commits, so that checkpoints follow the order results commit in
     (parallel calls would otherwise race on separate connections)."""
@@ -150,7 +160,10 @@ class RunContext:
             await asyncio.wait([asyncio.shield(f) for f in pending])
 
     async def boundary(self) -> None:
-        """Before a call starts: release the run here if the worker is shutting down."""
+        """Before a call starts: stop here if the run is cancelled, or release it if the
+        worker is shutting down. Never in the middle of an effect."""
+        if self.cancel_requested and not self.cancelling:
+            raise Cancel
         if self.draining is not None and self.draining.is_set() and not self.stopped:
             await self.quiesce()
             await self.commit(
@@ -188,6 +201,7 @@ class RunContext:
             except (LeaseLostError, StoreUnavailable) as exc:
                 self.stop_writing(exc)
                 raise
+            self.cancel_requested = committed.cancel_requested
         if t.checkpoint is not None:
             faults.crash_point("checkpoint.after_write")
         return committed
@@ -442,6 +456,8 @@ async def load_context(app: App, claim: Claim) -> RunContext:
         journal=state,
         steps={s.step_id: s for s in journal.steps},
         operations={o.idempotency_key: o for o in journal.operations},
+        signals=list(journal.signals),
+        cancel_requested=journal.run.cancel_requested,
     )
     if corrupted is not None:
         app.metrics.step_recovery.labels(state="checkpoint_corrupted").inc()
@@ -488,6 +504,9 @@ async def _drive(app: App, claim: Claim, draining: asyncio.Event | None) -> None
         try:
             result = await wf.fn(*args, **kwargs)
         except Suspend:
+            return
+        except Cancel:
+            await _cancel(ctx)
             return
         except Exception as exc:
             outcome: BaseException | None = exc
@@ -556,6 +575,33 @@ async def _finish(
         await ctx.commit(lambda: _ending(status, reason, exc, ctx))
     except (LeaseLostError, StoreUnavailable, Suspend) as lost:
         log.warning("run %s: could not record %s (%r)", ctx.run.run_id, status, lost)
+
+
+async def _cancel(ctx: RunContext) -> None:
+    """Finish a cancelled run: compensate if asked, then record it cancelled (final)."""
+    await ctx.quiesce()
+    compensated: list[str] = []
+    error: dict[str, Any] | None = None
+    if ctx.cancel_requested == 2:
+        ctx.cancelling = True
+        try:
+            compensated = await ctx.app.compensate_run(ctx)
+        except Exception as exc:
+            if ctx.stopped:
+                return
+            error = error_dict(exc)
+    await ctx.commit(
+        lambda: Transition(
+            events=[
+                EventWrite(
+                    "run_cancelled", None, {"compensated": compensated, "compensation_error": error}
+                )
+            ],
+            run=RunUpdate(RunStatus.CANCELLED, status_reason="cancelled", error=error),
+            checkpoint=ctx.journal.draft(status=RunStatus.CANCELLED, current_step=None),
+            release=True,
+        )
+    )
 
 
 async def _heartbeat(ctx: RunContext) -> None:

@@ -20,6 +20,11 @@ from durably.errors import LeaseLostError
 from durably.status import OperationStatus, RunStatus, StepStatus
 
 RUNNABLE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RECONCILING)
+WAITING = (RunStatus.WAITING_EXTERNAL, RunStatus.WAITING_APPROVAL)
+CLAIMABLE = RUNNABLE + WAITING
+"""Claimed once ``available_at`` is due: a waiting run's is its timer or wait timeout."""
+FAR_FUTURE = 1e15
+"""``available_at`` of a wait without timeout: only an event makes the run due."""
 
 
 Row = Any
@@ -52,6 +57,8 @@ class RunRecord:
     available_at: float
     created_at: float
     updated_at: float
+    cancel_requested: int = 0
+    """0: no; 1: cancel at the next boundary; 2: cancel and compensate."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,16 @@ class Event:
     step_id: str | None
     payload: dict[str, Any]
     created_at: float
+
+
+@dataclass(frozen=True)
+class Signal:
+    """An event sent to a run, not yet consumed by a wait."""
+
+    event_id: str
+    name: str
+    payload: Any
+    received_at: float
 
 
 @dataclass(frozen=True)
@@ -211,6 +228,10 @@ class Transition:
     run: RunUpdate | None = None
     checkpoint: CheckpointDraft | None = None
     release: bool = False
+    consume_signal: tuple[str, str] | None = None
+    """(event_id, step_id): the wait at step_id settles with this signal; exactly once."""
+    wake_on_signal: str | None = None
+    """The run starts waiting for events of this name: if one arrived meanwhile, it is due now."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +240,7 @@ class Committed:
     state_version: int
     operation_row_version: int | None
     lease_until: float | None
+    cancel_requested: int = 0
 
 
 @dataclass(frozen=True)
@@ -233,6 +255,8 @@ class Journal:
     steps: list[StepRecord]
     operations: list[OperationRecord]
     checkpoints: list[StoredCheckpoint]
+    signals: list[Signal] = field(default_factory=list)
+    """Events delivered to the run and not consumed yet, in arrival order."""
 
 
 @dataclass(frozen=True)
@@ -307,6 +331,23 @@ class Store(abc.ABC):
         """When the next runnable run of ``workflows`` (``"<name>|<version>"`` keys) becomes
         due (None: nothing runnable)."""
 
+    @abc.abstractmethod
+    async def deliver_signal(
+        self, run_id: str, event_id: str, name: str, payload_json: str
+    ) -> bool:
+        """Record an event for a run, once per ``event_id`` (False: a duplicate, ignored).
+
+        A run waiting for events of that name becomes due now. Raises RunNotFound, or
+        InvalidTransition for a finished run.
+        """
+
+    @abc.abstractmethod
+    async def request_cancel(self, run_id: str, *, compensate: bool) -> RunRecord:
+        """Flag the run for cancellation at its next boundary and make it due if it waits.
+
+        Raises RunNotFound, or InvalidTransition for a finished run.
+        """
+
     async def wait_for_work(self, timeout_s: float) -> bool:
         """Sleep until a run may have become runnable (True) or ``timeout_s`` passed (False).
 
@@ -349,6 +390,7 @@ def run_from_row(r: Row) -> RunRecord:
         available_at=r["available_at"],
         created_at=r["created_at"],
         updated_at=r["updated_at"],
+        cancel_requested=int(r["cancel_requested"]),
     )
 
 
@@ -399,3 +441,12 @@ def operation_from_row(r: Row) -> OperationRecord:
 
 def checkpoint_from_row(r: Row) -> StoredCheckpoint:
     return StoredCheckpoint(payload=loads(r["payload_json"]), checksum=r["checksum"])
+
+
+def signal_from_row(r: Row) -> Signal:
+    return Signal(
+        event_id=r["event_id"],
+        name=r["name"],
+        payload=loads(r["payload_json"]),
+        received_at=r["received_at"],
+    )

@@ -27,10 +27,11 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from durably.errors import InvalidTransition, StoreUnavailable
+from durably.errors import InvalidTransition, RunNotFound, StoreUnavailable
 from durably.keys import plain_json
 from durably.status import RunStatus
 from durably.store.base import (
+    CLAIMABLE,
     RUNNABLE,
     Claim,
     Committed,
@@ -49,11 +50,12 @@ from durably.store.base import (
     loads,
     operation_from_row,
     run_from_row,
+    signal_from_row,
     step_from_row,
 )
 from durably.store.migrations import Migrator
 
-_RUNNABLE = [s.value for s in RUNNABLE]
+_CLAIMABLE = [s.value for s in CLAIMABLE]
 _NOW = "extract(epoch FROM now())"
 CHANNEL = "durably_runnable"
 
@@ -273,14 +275,15 @@ class PostgresStore(Store):
             + " ORDER BY available_at, created_at LIMIT 1 FOR UPDATE SKIP LOCKED) "
             f"UPDATE durably_runs r SET lease_owner = %s, lease_until = {_NOW} + %s, "
             "lease_epoch = r.lease_epoch + 1, state_version = r.state_version + 1, "
-            f"status = 'running', updated_at = {_NOW} FROM candidate c "
+            f"status = 'running', available_at = {_NOW}, updated_at = {_NOW} "
+            "FROM candidate c "
             "WHERE r.run_id = c.run_id "
             "RETURNING r.*, c.old_status, c.old_owner, c.old_until"
         )
 
         async def work(db: AsyncConn, sent: _Sent) -> Claim | None:
             _, claimed = await _script(
-                db, [("BEGIN", ()), (sql, (_RUNNABLE, *params, owner, ttl_s))]
+                db, [("BEGIN", ()), (sql, (_CLAIMABLE, *params, owner, ttl_s))]
             )
             if not claimed:
                 await _finish(db, sent, [])
@@ -345,7 +348,8 @@ class PostgresStore(Store):
                 f"lease_until = CASE WHEN %s THEN NULL ELSE {_NOW} + %s END, "
                 "lease_owner = CASE WHEN %s THEN NULL ELSE lease_owner END, "
                 f"updated_at = {_NOW} WHERE run_id = %s AND lease_owner = %s "
-                "AND lease_epoch = %s RETURNING last_sequence, state_version, lease_until",
+                "AND lease_epoch = %s RETURNING last_sequence, state_version, lease_until, "
+                "cancel_requested",
                 (
                     len(t.events),
                     t.release,
@@ -362,7 +366,8 @@ class PostgresStore(Store):
                 f"state_version = state_version + 1, updated_at = {_NOW} "
                 "WHERE run_id = %s AND state_version = %s "
                 f"AND (lease_owner IS NULL OR lease_until < {_NOW}) "
-                "RETURNING last_sequence, state_version, lease_until",
+                "RETURNING last_sequence, state_version, lease_until, "
+                "cancel_requested",
                 (len(t.events), guard.run_id, guard.state_version),
             )
         o = t.operation
@@ -371,7 +376,21 @@ class PostgresStore(Store):
         if conditional:
             assert o is not None
             first.append(_operation(guard, o))
+        if t.consume_signal is not None:
+            first.append(
+                (
+                    "UPDATE durably_signals SET consumed_by = %s WHERE run_id = %s "
+                    "AND event_id = %s AND consumed_by IS NULL RETURNING event_id",
+                    (t.consume_signal[1], guard.run_id, t.consume_signal[0]),
+                )
+            )
         results = await _script(db, first)
+        if t.consume_signal is not None and not results[-1]:
+            raise InvalidTransition(
+                f"event {t.consume_signal[0]} of run {guard.run_id} was already consumed",
+                run_id=guard.run_id,
+                step_id=t.consume_signal[1],
+            )
         fenced = results[1]
         if not fenced:
             if isinstance(guard, Lease):
@@ -423,6 +442,17 @@ class PostgresStore(Store):
         if runnable and (t.release or (isinstance(guard, Expect) and t.run is not None)):
             # Delivered at COMMIT: sleeping workers wake for a run they can claim now.
             rest.append((f"NOTIFY {CHANNEL}", ()))
+        if t.wake_on_signal is not None:
+            # The run is about to wait for this event name: one that arrived meanwhile makes
+            # it due at once (delivery locks the run row, so the two serialise).
+            rest.append(
+                (
+                    f"UPDATE durably_runs SET status = 'queued', available_at = {_NOW} "
+                    "WHERE run_id = %s AND EXISTS (SELECT 1 FROM durably_signals "
+                    "WHERE run_id = %s AND name = %s AND consumed_by IS NULL)",
+                    (guard.run_id, guard.run_id, t.wake_on_signal),
+                )
+            )
         start = last_sequence - len(t.events) + 1
         rest += [
             _event(guard.run_id, start + i, e.type, e.step_id, e.payload)
@@ -476,7 +506,102 @@ class PostgresStore(Store):
                 )
             )
         await _finish(db, sent, rest)
-        return Committed(last_sequence, state_version, op_version, fenced[0]["lease_until"])
+        return Committed(
+            last_sequence,
+            state_version,
+            op_version,
+            fenced[0]["lease_until"],
+            int(fenced[0]["cancel_requested"]),
+        )
+
+    async def deliver_signal(
+        self, run_id: str, event_id: str, name: str, payload_json: str
+    ) -> bool:
+        async def work(db: AsyncConn, sent: _Sent) -> bool:
+            # The run row lock serialises this with the run's own commits (wake_on_signal).
+            _, runs, inserted = await _script(
+                db,
+                [
+                    ("BEGIN", ()),
+                    (
+                        "SELECT status, waiting_for_json FROM durably_runs WHERE run_id = %s "
+                        "FOR UPDATE",
+                        (run_id,),
+                    ),
+                    (
+                        # Only for an existing, unfinished run (checked below, after the lock).
+                        "INSERT INTO durably_signals (run_id, event_id, name, payload_json, "
+                        f"received_at) SELECT run_id, %s, %s, %s, {_NOW} FROM durably_runs "
+                        "WHERE run_id = %s AND status NOT IN ('completed', 'failed', 'cancelled') "
+                        "ON CONFLICT (run_id, event_id) DO NOTHING RETURNING event_id",
+                        (event_id, name, payload_json, run_id),
+                    ),
+                ],
+            )
+            _check_open(run_id, runs[0] if runs else None)
+            if not inserted:
+                await _finish(db, sent, [])
+                return False
+            run = runs[0] if runs else {}
+            waiting = loads(run["waiting_for_json"]) or {}
+            due = run["status"] == RunStatus.WAITING_EXTERNAL and waiting.get("event") == name
+            payload = {"name": name, "event_id": event_id, "wakes_run": due}
+            await _finish(
+                db,
+                sent,
+                [
+                    (
+                        "UPDATE durably_runs SET last_sequence = last_sequence + 1, "
+                        f"state_version = state_version + 1, updated_at = {_NOW}, "
+                        "status = CASE WHEN %s THEN 'queued' ELSE status END, "
+                        f"available_at = CASE WHEN %s THEN {_NOW} ELSE available_at END "
+                        "WHERE run_id = %s",
+                        (due, due, run_id),
+                    ),
+                    (
+                        "INSERT INTO durably_events (run_id, sequence, type, step_id, "
+                        "payload_json, created_at) SELECT run_id, last_sequence, "
+                        f"'event_received', NULL, %s, {_NOW} FROM durably_runs WHERE run_id = %s",
+                        (plain_json(payload), run_id),
+                    ),
+                    (f"NOTIFY {CHANNEL}", ()),
+                ],
+            )
+            return True
+
+        # Idempotent: a retry after a lost COMMIT finds the event and reports a duplicate.
+        return await self._transact(work, idempotent=True)
+
+    async def request_cancel(self, run_id: str, *, compensate: bool) -> RunRecord:
+        async def work(db: AsyncConn, sent: _Sent) -> RunRecord:
+            _, runs = await _script(
+                db,
+                [
+                    ("BEGIN", ()),
+                    ("SELECT status FROM durably_runs WHERE run_id = %s FOR UPDATE", (run_id,)),
+                ],
+            )
+            _check_open(run_id, runs[0] if runs else None)
+            rows, _, _ = await _finish(
+                db,
+                sent,
+                [
+                    (
+                        "UPDATE durably_runs SET cancel_requested = %s, "
+                        f"state_version = state_version + 1, updated_at = {_NOW}, "
+                        "status = CASE WHEN status IN ('waiting_external', 'waiting_approval', "
+                        "'paused') THEN 'queued' ELSE status END, available_at = CASE WHEN "
+                        f"lease_owner IS NULL OR lease_until < {_NOW} THEN {_NOW} "
+                        "ELSE available_at END WHERE run_id = %s RETURNING *",
+                        (2 if compensate else 1, run_id),
+                    ),
+                    (f"NOTIFY {CHANNEL}", ()),
+                ],
+            )
+            assert rows
+            return run_from_row(rows[0])
+
+        return await self._transact(work, idempotent=True)
 
     # -- reads --------------------------------------------------------------------------
 
@@ -498,7 +623,7 @@ class PostgresStore(Store):
     async def load_journal(self, run_id: str, *, checkpoints: int = 3) -> Journal | None:
         async def work(db: AsyncConn, sent: _Sent) -> Journal | None:
             # One round trip; REPEATABLE READ makes the four reads one moment's state.
-            _, run, steps, ops, cps, _ = await _script(
+            _, run, steps, ops, cps, signals, _ = await _script(
                 db,
                 [
                     ("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", ()),
@@ -517,6 +642,11 @@ class PostgresStore(Store):
                         "WHERE run_id = %s ORDER BY state_version DESC LIMIT %s",
                         (run_id, checkpoints),
                     ),
+                    (
+                        "SELECT * FROM durably_signals WHERE run_id = %s "
+                        "AND consumed_by IS NULL ORDER BY received_at, event_id",
+                        (run_id,),
+                    ),
                     ("COMMIT", ()),
                 ],
             )
@@ -527,6 +657,7 @@ class PostgresStore(Store):
                 steps=[step_from_row(r) for r in steps or []],
                 operations=[operation_from_row(r) for r in ops or []],
                 checkpoints=[checkpoint_from_row(r) for r in cps or []],
+                signals=[signal_from_row(r) for r in signals or []],
             )
 
         return await self._transact(work, idempotent=True)
@@ -565,7 +696,7 @@ class PostgresStore(Store):
             f"{_NOW} AS now FROM durably_runs WHERE status = ANY(%s) "
             "AND workflow || '|' || workflow_version = ANY(%s) "
             f"AND (lease_owner IS NULL OR lease_until < {_NOW})",
-            (_RUNNABLE, workflows),
+            (_CLAIMABLE, workflows),
         )
         if not rows or rows[0]["due"] is None:
             return None
@@ -590,6 +721,16 @@ class PostgresStore(Store):
             self._listeners.pop(loop, None)
             await asyncio.sleep(timeout_s)
         return False
+
+
+def _check_open(run_id: str, run: dict[str, Any] | None) -> None:
+    if run is None:
+        raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+    if RunStatus(run["status"]).is_final:
+        raise InvalidTransition(
+            f"run {run_id} is {run['status']} (final); nothing can be delivered to it",
+            run_id=run_id,
+        )
 
 
 def _event(

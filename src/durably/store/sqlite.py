@@ -16,11 +16,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from durably.errors import ConfigurationError, InvalidTransition, StoreUnavailable
+from durably.errors import (
+    ConfigurationError,
+    InvalidTransition,
+    RunNotFound,
+    StoreUnavailable,
+)
 from durably.keys import plain_json
 from durably.status import RunStatus
 from durably.store.base import (
-    RUNNABLE,
+    CLAIMABLE,
     Claim,
     Committed,
     Event,
@@ -37,11 +42,12 @@ from durably.store.base import (
     loads,
     operation_from_row,
     run_from_row,
+    signal_from_row,
     step_from_row,
 )
 from durably.store.migrations import Migrator, split_statements
 
-_RUNNABLE_SQL = ", ".join(f"'{s.value}'" for s in RUNNABLE)
+_CLAIMABLE_SQL = ", ".join(f"'{s.value}'" for s in CLAIMABLE)
 
 
 def path_from_url(url: str) -> str:
@@ -199,7 +205,7 @@ class SQLiteStore(Store):
         marks = ", ".join("?" for _ in workflows)
         with self._tx() as db:
             row = db.execute(
-                f"SELECT run_id FROM durably_runs WHERE status IN ({_RUNNABLE_SQL}) "
+                f"SELECT run_id FROM durably_runs WHERE status IN ({_CLAIMABLE_SQL}) "
                 f"AND available_at <= ? AND (lease_owner IS NULL OR lease_until < ?) "
                 f"AND workflow || '|' || workflow_version IN ({marks}) "
                 f"ORDER BY available_at, created_at LIMIT 1",
@@ -214,7 +220,7 @@ class SQLiteStore(Store):
     ) -> Claim | None:
         before = db.execute(
             f"SELECT status, lease_owner, lease_until FROM durably_runs WHERE run_id = ? "
-            f"AND status IN ({_RUNNABLE_SQL}) AND available_at <= ? "
+            f"AND status IN ({_CLAIMABLE_SQL}) AND available_at <= ? "
             f"AND (lease_owner IS NULL OR lease_until < ? OR lease_owner = ?)",
             (run_id, now, now, owner),
         ).fetchone()
@@ -226,9 +232,9 @@ class SQLiteStore(Store):
         row = db.execute(
             "UPDATE durably_runs SET lease_owner = ?, lease_until = ?, "
             "lease_epoch = lease_epoch + 1, state_version = state_version + 1, "
-            "status = 'running', updated_at = ? "
+            "status = 'running', available_at = ?, updated_at = ? "
             "WHERE run_id = ? RETURNING *",
-            (owner, now + ttl_s, now, run_id),
+            (owner, now + ttl_s, now, now, run_id),
         ).fetchone()
         run = run_from_row(row)
         if recovered:
@@ -267,7 +273,7 @@ class SQLiteStore(Store):
                     "state_version = state_version + 1, lease_until = ?, "
                     "lease_owner = CASE WHEN ? THEN NULL ELSE lease_owner END, updated_at = ? "
                     "WHERE run_id = ? AND lease_owner = ? AND lease_epoch = ? "
-                    "RETURNING last_sequence, state_version",
+                    "RETURNING last_sequence, state_version, cancel_requested",
                     (
                         len(t.events),
                         lease_until,
@@ -286,7 +292,7 @@ class SQLiteStore(Store):
                     "state_version = state_version + 1, updated_at = ? "
                     "WHERE run_id = ? AND state_version = ? "
                     "AND (lease_owner IS NULL OR lease_until < ?) "
-                    "RETURNING last_sequence, state_version",
+                    "RETURNING last_sequence, state_version, cancel_requested",
                     (len(t.events), now, guard.run_id, guard.state_version, now),
                 ).fetchone()
                 if fenced is None:
@@ -296,6 +302,7 @@ class SQLiteStore(Store):
                         run_id=guard.run_id,
                     )
             last_sequence, state_version = int(fenced[0]), int(fenced[1])
+            cancel_requested = int(fenced[2])
             if t.run is not None:
                 u = t.run
                 db.execute(
@@ -313,6 +320,28 @@ class SQLiteStore(Store):
                         guard.run_id,
                     ),
                 )
+            if t.wake_on_signal is not None:
+                # The run is about to wait for this event name: one that arrived meanwhile
+                # makes it due at once (delivery and this commit serialise on the run).
+                db.execute(
+                    "UPDATE durably_runs SET status = 'queued', available_at = ? "
+                    "WHERE run_id = ? AND EXISTS (SELECT 1 FROM durably_signals "
+                    "WHERE run_id = ? AND name = ? AND consumed_by IS NULL)",
+                    (now, guard.run_id, guard.run_id, t.wake_on_signal),
+                )
+            if t.consume_signal is not None:
+                event_id, step_id = t.consume_signal
+                consumed = db.execute(
+                    "UPDATE durably_signals SET consumed_by = ? WHERE run_id = ? "
+                    "AND event_id = ? AND consumed_by IS NULL",
+                    (step_id, guard.run_id, event_id),
+                )
+                if consumed.rowcount != 1:
+                    raise InvalidTransition(
+                        f"event {event_id} of run {guard.run_id} was already consumed",
+                        run_id=guard.run_id,
+                        step_id=step_id,
+                    )
             first = last_sequence - len(t.events) + 1
             for offset, event in enumerate(t.events):
                 self._insert_event(
@@ -341,7 +370,7 @@ class SQLiteStore(Store):
                         now,
                     ),
                 )
-        return Committed(last_sequence, state_version, op_version, lease_until)
+        return Committed(last_sequence, state_version, op_version, lease_until, cancel_requested)
 
     def _insert_event(
         self,
@@ -468,6 +497,53 @@ class SQLiteStore(Store):
             )
         return int(row[0])
 
+    async def deliver_signal(
+        self, run_id: str, event_id: str, name: str, payload_json: str
+    ) -> bool:
+        now = time.time()
+        with self._tx() as db:
+            run = db.execute(
+                "SELECT status, waiting_for_json FROM durably_runs WHERE run_id = ?", (run_id,)
+            ).fetchone()
+            _check_open(run_id, run)
+            inserted = db.execute(
+                "INSERT INTO durably_signals (run_id, event_id, name, payload_json, received_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id, event_id) DO NOTHING",
+                (run_id, event_id, name, payload_json, now),
+            ).rowcount
+            if not inserted:
+                return False
+            waiting = loads(run["waiting_for_json"]) or {}
+            due = run["status"] == RunStatus.WAITING_EXTERNAL and waiting.get("event") == name
+            sequence = db.execute(
+                "UPDATE durably_runs SET last_sequence = last_sequence + 1, "
+                "state_version = state_version + 1, updated_at = ?, "
+                "status = CASE WHEN ? THEN 'queued' ELSE status END, "
+                "available_at = CASE WHEN ? THEN ? ELSE available_at END "
+                "WHERE run_id = ? RETURNING last_sequence",
+                (now, due, due, now, run_id),
+            ).fetchone()[0]
+            payload = {"name": name, "event_id": event_id, "wakes_run": due}
+            self._insert_event(db, run_id, sequence, "event_received", None, payload, now)
+        return True
+
+    async def request_cancel(self, run_id: str, *, compensate: bool) -> RunRecord:
+        now = time.time()
+        with self._tx() as db:
+            run = db.execute(
+                "SELECT status, waiting_for_json FROM durably_runs WHERE run_id = ?", (run_id,)
+            ).fetchone()
+            _check_open(run_id, run)
+            row = db.execute(
+                "UPDATE durably_runs SET cancel_requested = ?, state_version = state_version + 1, "
+                "updated_at = ?, status = CASE WHEN status IN ('waiting_external', "
+                "'waiting_approval', 'paused') THEN 'queued' ELSE status END, "
+                "available_at = CASE WHEN lease_owner IS NULL OR lease_until < ? THEN ? "
+                "ELSE available_at END WHERE run_id = ? RETURNING *",
+                (2 if compensate else 1, now, now, now, run_id),
+            ).fetchone()
+        return run_from_row(row)
+
     # -- reads --------------------------------------------------------------------------
 
     async def get_run(self, run_id: str) -> RunRecord | None:
@@ -512,6 +588,11 @@ class SQLiteStore(Store):
                     "ORDER BY state_version DESC LIMIT ?",
                     (run_id, checkpoints),
                 ).fetchall()
+                signals = self._conn.execute(
+                    "SELECT * FROM durably_signals WHERE run_id = ? AND consumed_by IS NULL "
+                    "ORDER BY received_at, event_id",
+                    (run_id,),
+                ).fetchall()
             finally:
                 self._conn.execute("COMMIT")
         return Journal(
@@ -519,6 +600,7 @@ class SQLiteStore(Store):
             steps=[step_from_row(s) for s in steps],
             operations=[operation_from_row(o) for o in ops],
             checkpoints=[checkpoint_from_row(c) for c in cps],
+            signals=[signal_from_row(r) for r in signals],
         )
 
     async def events(self, run_id: str, *, after: int = 0) -> list[Event]:
@@ -557,9 +639,19 @@ class SQLiteStore(Store):
         with self._reading() as db:
             row = db.execute(
                 f"SELECT min(max(available_at, coalesce(lease_until, 0))) FROM durably_runs "
-                f"WHERE status IN ({_RUNNABLE_SQL}) "
+                f"WHERE status IN ({_CLAIMABLE_SQL}) "
                 f"AND workflow || '|' || workflow_version IN ({marks}) "
                 f"AND (lease_owner IS NULL OR lease_until < ?)",
                 (*workflows, now),
             ).fetchone()
         return None if row[0] is None else float(row[0])
+
+
+def _check_open(run_id: str, run: Any) -> None:
+    if run is None:
+        raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+    if RunStatus(run["status"]).is_final:
+        raise InvalidTransition(
+            f"run {run_id} is {run['status']} (final); nothing can be delivered to it",
+            run_id=run_id,
+        )

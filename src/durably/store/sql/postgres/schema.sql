@@ -25,12 +25,13 @@ CREATE TABLE durably_runs (
     last_sequence     BIGINT NOT NULL DEFAULT 0,
     available_at      DOUBLE PRECISION NOT NULL,
     created_at        DOUBLE PRECISION NOT NULL,
-    updated_at        DOUBLE PRECISION NOT NULL
+    updated_at        DOUBLE PRECISION NOT NULL,
+    cancel_requested  SMALLINT NOT NULL DEFAULT 0
 );
 
 -- Claims scan only runnable runs; a partial index keeps finished runs out of it.
 CREATE INDEX durably_runs_runnable ON durably_runs (available_at, created_at)
-    WHERE status IN ('queued', 'running', 'reconciling');
+    WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval');
 CREATE INDEX durably_runs_created ON durably_runs (created_at);
 
 CREATE TABLE durably_steps (
@@ -106,4 +107,14 @@ CREATE TABLE durably_inbox (
     event_id      TEXT NOT NULL,
     received_at   DOUBLE PRECISION NOT NULL,
     PRIMARY KEY (consumer, event_id)
+);
+
+CREATE TABLE durably_signals (
+    run_id        TEXT NOT NULL REFERENCES durably_runs (run_id),
+    event_id      TEXT NOT NULL,
+    name          TEXT NOT NULL,
+    payload_json  TEXT NOT NULL,
+    received_at   DOUBLE PRECISION NOT NULL,
+    consumed_by   TEXT,
+    PRIMARY KEY (run_id, event_id)
 );

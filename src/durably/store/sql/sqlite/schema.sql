@@ -51,9 +51,19 @@ CREATE TABLE durably_runs (
     available_at      REAL NOT NULL,
     created_at        REAL NOT NULL,
     updated_at        REAL NOT NULL
-) WITHOUT ROWID;
+, cancel_requested INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
 
 CREATE TABLE durably_schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL);
+
+CREATE TABLE durably_signals (
+    run_id        TEXT NOT NULL REFERENCES durably_runs (run_id),
+    event_id      TEXT NOT NULL,
+    name          TEXT NOT NULL,
+    payload_json  TEXT NOT NULL,
+    received_at   REAL NOT NULL,
+    consumed_by   TEXT,
+    PRIMARY KEY (run_id, event_id)
+) WITHOUT ROWID;
 
 CREATE TABLE durably_steps (
     run_id            TEXT NOT NULL REFERENCES durably_runs (run_id),
@@ -104,4 +114,3 @@ CREATE TABLE durably_tool_operations (
 CREATE INDEX durably_runs_created ON durably_runs (created_at);
 
 CREATE INDEX durably_runs_runnable ON durably_runs (status, available_at);
-

@@ -1,0 +1,16 @@
+-- Waiting runs: external events delivered to a run (an inbox keyed by the sender's event
+-- id), and cancellation requested while a worker holds the run.
+
+ALTER TABLE durably_runs ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0;
+
+-- Events sent to a run. Delivered once per (run_id, event_id); consumed in arrival order
+-- by the wait_for_event call that settles with them (consumed_by is its step id).
+CREATE TABLE durably_signals (
+    run_id        TEXT NOT NULL REFERENCES durably_runs (run_id),
+    event_id      TEXT NOT NULL,
+    name          TEXT NOT NULL,
+    payload_json  TEXT NOT NULL,
+    received_at   REAL NOT NULL,
+    consumed_by   TEXT,
+    PRIMARY KEY (run_id, event_id)
+) WITHOUT ROWID;
