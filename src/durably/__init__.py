@@ -13,6 +13,8 @@ from durably.checkpoint import Checkpoint, register_checkpoint_migration
 from durably.context import RunInfo, current_run, idempotency_key
 from durably.definitions import RetryPolicy
 from durably.errors import (
+    ApprovalExpired,
+    ApprovalRejected,
     CheckpointCorrupted,
     ConfigurationError,
     DurablyError,
@@ -42,12 +44,15 @@ from durably.status import (
     RunStatus,
     StepStatus,
 )
-from durably.store.base import Event
-from durably.waits import sleep, wait_for_event
+from durably.store.base import Approval, Event
+from durably.waits import approval, sleep, wait_for_event
 from durably.workflow_api import compensate
 
 __all__ = [
     "App",
+    "Approval",
+    "ApprovalExpired",
+    "ApprovalRejected",
     "Checkpoint",
     "CheckpointCorrupted",
     "ConfigurationError",
@@ -80,6 +85,7 @@ __all__ = [
     "StoreUnavailable",
     "ToolError",
     "WaitTimeout",
+    "approval",
     "compensate",
     "crash_point",
     "current_run",

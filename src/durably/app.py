@@ -27,6 +27,7 @@ from durably.definitions import (
     check_name,
 )
 from durably.errors import (
+    ApprovalExpired,
     ConfigurationError,
     DurablyError,
     IdempotencyConflict,
@@ -40,6 +41,7 @@ from durably.reconcile import Operation
 from durably.status import FailureCategory, OperationStatus, PauseReason, RunStatus, StepStatus
 from durably.store import open_store
 from durably.store.base import (
+    Approval,
     Event,
     EventWrite,
     Expect,
@@ -230,6 +232,8 @@ class App:
         redact: Sequence[str] = (),
         operation_group: str | None = None,
         timeout: timedelta | None = None,
+        requires_approval: bool = False,
+        approval_ttl: timedelta = timedelta(hours=24),
     ) -> Register:
         """Register a tool whose call has an external side effect (the effect ledger).
 
@@ -237,6 +241,8 @@ class App:
         unknown outcome is settled by re-sending the same key. ``reconcile=fn``: asked what
         happened when the outcome is unknown. With neither, an unknown outcome pauses the run
         for a person. ``timeout`` bounds one execution; a timeout is an unknown outcome.
+        ``requires_approval``: each call first waits for a person's approval bound to its
+        exact input, key and plan version, valid ``approval_ttl`` and usable once.
         """
 
         def register(fn: Callable[P, Any]) -> Durable[P, Any]:
@@ -268,6 +274,8 @@ class App:
                 redact=tuple(redact),
                 operation_group=operation_group,
                 timeout=timeout,
+                requires_approval=requires_approval,
+                approval_ttl=approval_ttl,
             )
             self._tools[tool_name] = d
             return Durable(d, fn)
@@ -684,6 +692,57 @@ class App:
         """
         return self._loop.call(self.send_event_async(run_id, name, payload, event_id=event_id))
 
+    async def decide_async(
+        self,
+        run_id: str,
+        approval_id: str | None,
+        decision: Literal["approved", "rejected"],
+        *,
+        by: str = "operator",
+        comment: str | None = None,
+    ) -> Approval:
+        store = await self.open()
+        approval, expired = await store.decide_approval(run_id, approval_id, decision, by, comment)
+        if expired:
+            raise ApprovalExpired(
+                f"approval {approval.approval_id} of run {run_id} expired at "
+                f"{approval.expires_at:.0f} (unix) before it was decided; the run will ask "
+                "for a new one",
+                run_id=run_id,
+                step_id=approval.step_id,
+            )
+        return approval
+
+    def approve(
+        self,
+        run_id: str,
+        approval_id: str | None = None,
+        *,
+        by: str = "operator",
+        comment: str | None = None,
+    ) -> Approval:
+        """Approve the run's pending approval (``approval_id`` may be omitted if only one).
+
+        The decision is recorded once; the approval is then usable once, by exactly the call
+        it is bound to, until it expires. Raises ApprovalExpired if it expired already.
+        """
+        return self._loop.call(
+            self.decide_async(run_id, approval_id, "approved", by=by, comment=comment)
+        )
+
+    def reject(
+        self,
+        run_id: str,
+        approval_id: str | None = None,
+        *,
+        by: str = "operator",
+        comment: str | None = None,
+    ) -> Approval:
+        """Reject the run's pending approval: ``ApprovalRejected`` is raised in the workflow."""
+        return self._loop.call(
+            self.decide_async(run_id, approval_id, "rejected", by=by, comment=comment)
+        )
+
     async def cancel_async(self, run_id: str, *, compensate: bool = False) -> Run:
         store = await self.open()
         record = await store.get_run(run_id)
@@ -767,7 +826,24 @@ class App:
                 }
                 for o in sorted(ops.values(), key=lambda o: o.created_at)
             ],
-            "approvals": [],
+            "approvals": [
+                {
+                    "approval_id": a.approval_id,
+                    "step_id": a.step_id,
+                    "kind": a.kind,
+                    "name": a.name,
+                    "status": a.status,
+                    "payload": a.payload,
+                    "input_hash": a.input_hash,
+                    "idempotency_key": a.idempotency_key,
+                    "plan_version": a.plan_version,
+                    "requested_at": a.requested_at,
+                    "expires_at": a.expires_at,
+                    "decided_by": a.decided_by,
+                    "comment": a.comment,
+                }
+                for a in journal.approvals
+            ],
             "last_event_sequence": journal.run.last_sequence,
         }
 

@@ -75,6 +75,8 @@ class ToolDef:
     redact: Sequence[str] = field(default_factory=tuple)
     operation_group: str | None = None
     timeout: timedelta | None = None
+    requires_approval: bool = False
+    approval_ttl: timedelta = timedelta(hours=24)
 
     @property
     def can_reconcile(self) -> bool:

@@ -18,12 +18,15 @@ import json
 import logging
 import socket
 import time
+import uuid
 from dataclasses import asdict, replace
 from typing import Any
 
 from durably import context, faults
 from durably.definitions import ToolDef, bind_arguments, invoke
 from durably.errors import (
+    ApprovalExpired,
+    ApprovalRejected,
     IdempotencyConflict,
     NotJSONSerializable,
     OutcomeUnknown,
@@ -37,6 +40,9 @@ from durably.reconcile import Operation, Reconciliation
 from durably.runtime import RunContext, Suspend, error_dict
 from durably.status import FailureCategory, OperationStatus, PauseReason, RunStatus, StepStatus
 from durably.store.base import (
+    Approval,
+    ApprovalRequest,
+    ApprovalUse,
     EventWrite,
     OperationRecord,
     OperationWrite,
@@ -153,7 +159,11 @@ class Effect:
                 can_reconcile=self.tool.can_reconcile,
             )
             if action is Action.PREPARE:
-                await self._prepare()
+                use = await self._approval()
+                try:
+                    await self._prepare(use)
+                except ApprovalExpired:
+                    await self._reapprove(use)
             elif action is Action.CONFLICT:
                 metrics.idempotency_conflict.labels(tool=self.tool.name).inc()
                 raise self.ctx.poison(
@@ -171,7 +181,12 @@ class Effect:
                 metrics.idempotency_hit.labels(tool=self.tool.name).inc()
                 return self._recorded_result()
             elif action is Action.CLAIM:
-                await self._claim("effect_executing")
+                assert op is not None
+                use = await self._approval() if op.attempt == 0 else None
+                try:
+                    await self._claim("effect_executing", use_approval=use)
+                except ApprovalExpired:
+                    await self._reapprove(use)
             elif action is Action.EXECUTE:
                 await self._execute()
             elif action is Action.WAIT:
@@ -241,6 +256,7 @@ class Effect:
         pending: bool = False,
         release: bool = False,
         settle: str | None = None,
+        use_approval: ApprovalUse | None = None,
     ) -> None:
         """Commit one ledger transition; ``settle``: the result JSON to add to the journal."""
         ctx = self.ctx
@@ -267,6 +283,7 @@ class Effect:
                 run=run,
                 checkpoint=draft,
                 release=release,
+                use_approval=use_approval,
             )
 
         committed = await ctx.commit(
@@ -308,7 +325,7 @@ class Effect:
             type_, self.step_id, {"tool": self.tool.name, "idempotency_key": self.key, **payload}
         )
 
-    async def _prepare(self) -> None:
+    async def _prepare(self, use: ApprovalUse | None) -> None:
         faults.crash_point("effect.before_intent")
         together = self.tool.can_reconcile
         status = OperationStatus.EXECUTING if together else OperationStatus.INTENT_RECORDED
@@ -318,10 +335,14 @@ class Effect:
             self._step(StepStatus(status.value), attempts=attempt),
             [self._event("effect_intent_recorded", input_hash=self.input_hash)],
             pending=True,
+            # The approval is consumed by the transaction that claims the effect.
+            use_approval=use if together else None,
         )
         faults.crash_point("effect.after_intent")
 
-    async def _claim(self, event: str, **payload: Any) -> None:
+    async def _claim(
+        self, event: str, *, use_approval: ApprovalUse | None = None, **payload: Any
+    ) -> None:
         assert self.op is not None
         attempt = self.op.attempt + 1
         await self._apply(
@@ -330,7 +351,118 @@ class Effect:
             [self._event(event, attempt=attempt, **payload)],
             run=self._back_to_running(),
             checkpoint=False,
+            use_approval=use_approval,
         )
+
+    # -- approval -----------------------------------------------------------------------
+
+    async def _approval(self) -> ApprovalUse | None:
+        """For ``requires_approval`` tools: the approval that authorises this very call.
+
+        It must be bound to this run, step, input hash, idempotency key and plan version,
+        be approved and unexpired; otherwise a new one is requested and the run waits.
+        The store judges expiry again, by its clock, when the claim consumes it.
+        """
+        if not self.tool.requires_approval:
+            return None
+        ctx = self.ctx
+        requests = ctx.approvals.get(self.step_id, [])
+        latest = requests[-1] if requests else None
+        bound = latest is not None and (
+            latest.input_hash == self.input_hash
+            and latest.idempotency_key == self.key
+            and latest.plan_version == ctx.run.plan_version
+        )
+        now = await ctx.store.now()
+        if latest is not None and bound:
+            if latest.status == "rejected":
+                raise ApprovalRejected(
+                    f"{self.tool.name} at {self.step_id} was rejected by {latest.decided_by}"
+                    + (f": {latest.comment}" if latest.comment else ""),
+                    run_id=ctx.run.run_id,
+                    step_id=self.step_id,
+                    approval_id=latest.approval_id,
+                    by=latest.decided_by,
+                    comment=latest.comment,
+                )
+            if latest.expires_at > now and latest.status == "approved":
+                return ApprovalUse(
+                    latest.approval_id, self.input_hash, self.key, ctx.run.plan_version
+                )
+            if latest.expires_at > now and latest.status == "requested":
+                await self._wait_for_approval(latest.approval_id, latest.expires_at)
+        await self._reapprove(latest)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _reapprove(self, previous: Approval | ApprovalUse | None) -> None:
+        """Request a new approval (the previous one expired, was used, or binds other input)."""
+        now = await self.ctx.store.now()
+        await self._wait_for_approval(
+            uuid.uuid4().hex,
+            now + self.tool.approval_ttl.total_seconds(),
+            new_request=True,
+            replaces=None if previous is None else previous.approval_id,
+        )
+
+    async def _wait_for_approval(
+        self,
+        approval_id: str,
+        expires_at: float,
+        *,
+        new_request: bool = False,
+        replaces: str | None = None,
+    ) -> None:
+        """Suspend in ``waiting_approval`` (after recording a new request, if asked)."""
+        ctx = self.ctx
+        await ctx.quiesce(exclude=id(self))
+        request = None
+        if new_request:
+            request = ApprovalRequest(
+                approval_id=approval_id,
+                step_id=self.step_id,
+                kind="tool",
+                name=self.tool.name,
+                payload_json=plain_json(
+                    {"tool": self.tool.name, "arguments": self.stored_arguments}
+                ),
+                input_hash=self.input_hash,
+                idempotency_key=self.key,
+                plan_version=ctx.run.plan_version,
+                expires_at=expires_at,
+                replaces=replaces,
+            )
+        waiting = {
+            "kind": "approval",
+            "approval_id": approval_id,
+            "step_id": self.step_id,
+            "tool": self.tool.name,
+            "arguments": self.stored_arguments,
+            "expires_at": expires_at,
+        }
+        await ctx.commit(
+            lambda: Transition(
+                events=[
+                    EventWrite(
+                        "approval_requested" if request else "approval_waiting",
+                        self.step_id,
+                        {"approval_id": approval_id, "expires_at": expires_at},
+                    )
+                ],
+                step=self._step(StepStatus.WAITING_APPROVAL),
+                run=RunUpdate(
+                    RunStatus.WAITING_APPROVAL, waiting_for=waiting, available_at=expires_at
+                ),
+                checkpoint=ctx.journal.draft(
+                    status=RunStatus.WAITING_APPROVAL, current_step=self.step_id
+                ),
+                release=True,
+                request_approval=request,
+            )
+        )
+        # The request and the suspension are one transaction: this is the same moment.
+        faults.crash_point("approval.after_request")
+        ctx.stopped = True
+        raise Suspend
 
     async def _execute(self) -> None:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -18,6 +18,8 @@
     ├── StoreUnavailable            the database cannot be reached or refused the transaction
     ├── StepFailed                  a step or tool failed for good; raised inside the workflow
     ├── WaitTimeout                 wait_for_event's timeout passed; raised inside the workflow
+    ├── ApprovalRejected            a person rejected the approval; raised inside the workflow
+    ├── ApprovalExpired             an approval was decided or used after its expiry
     ├── ToolError                   raised BY a tool to state the failure category
     └── OutcomeUnknown              raised BY a tool: the request may have taken effect
 
@@ -131,6 +133,29 @@ class StepFailed(DurablyError):
 
 class WaitTimeout(DurablyError):
     """No event arrived before ``wait_for_event``'s timeout. Raised inside the workflow."""
+
+
+class ApprovalRejected(DurablyError):
+    """The approval was rejected. Raised inside the workflow, which may handle it."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        run_id: str | None = None,
+        step_id: str | None = None,
+        approval_id: str = "",
+        by: str | None = None,
+        comment: str | None = None,
+    ) -> None:
+        super().__init__(message, run_id=run_id, step_id=step_id)
+        self.approval_id = approval_id
+        self.by = by
+        self.comment = comment
+
+
+class ApprovalExpired(DurablyError):
+    """The approval expired before it was decided or used; a new one is requested."""
 
 
 class ToolError(DurablyError):

@@ -32,6 +32,7 @@ from durably.errors import (
 from durably.keys import canonical_json, input_hash, sha256_hex
 from durably.status import OperationStatus, PauseReason, RunStatus, StepStatus
 from durably.store.base import (
+    Approval,
     Claim,
     Committed,
     EventWrite,
@@ -111,6 +112,8 @@ class RunContext:
     cancel_requested: int = 0
     """0: no; 1: cancel at the next boundary; 2: cancel and compensate."""
     cancelling: bool = False
+    approvals: dict[str, list[Approval]] = field(default_factory=dict)
+    """The run's approval requests by step id, oldest first."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this run's commits, so that checkpoints follow the order results commit in
     (parallel calls would otherwise race on separate connections)."""
@@ -459,6 +462,8 @@ async def load_context(app: App, claim: Claim) -> RunContext:
         signals=list(journal.signals),
         cancel_requested=journal.run.cancel_requested,
     )
+    for approval in journal.approvals:
+        ctx.approvals.setdefault(approval.step_id, []).append(approval)
     if corrupted is not None:
         app.metrics.step_recovery.labels(state="checkpoint_corrupted").inc()
         await ctx.commit(

@@ -10,18 +10,34 @@ Replaying a settled wait returns its recorded outcome without waiting again.
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import timedelta
 from typing import Any
 
-from durably import context
-from durably.errors import ConfigurationError, WaitTimeout
+from durably import context, faults
+from durably.errors import (
+    ApprovalRejected,
+    ConfigurationError,
+    NonDeterminismError,
+    WaitTimeout,
+)
 from durably.keys import canonical_json, input_hash, sha256_hex
 from durably.runtime import RunContext, Suspend
 from durably.status import RunStatus, StepStatus
-from durably.store.base import FAR_FUTURE, EventWrite, RunUpdate, StepWrite, Transition
+from durably.store.base import (
+    FAR_FUTURE,
+    Approval,
+    ApprovalRequest,
+    ApprovalUse,
+    EventWrite,
+    RunUpdate,
+    StepWrite,
+    Transition,
+)
 
 SLEEP = "durably.sleep"
 EVENT = "durably.event"
+APPROVAL = "durably.approval"
 
 
 def _seconds(duration: float | timedelta | None, what: str) -> float | None:
@@ -55,7 +71,13 @@ class _Wait:
         )
         self.settled = recorded is not None and recorded.status is StepStatus.SUCCEEDED
 
-    async def settle(self, outcome: Any, event: str, consume: str | None = None) -> None:
+    async def settle(
+        self,
+        outcome: Any,
+        event: str,
+        consume: str | None = None,
+        use: ApprovalUse | None = None,
+    ) -> None:
         output_json = canonical_json(outcome, what=f"the outcome of {self.step_id}")
         ctx = self.ctx
         await ctx.commit(
@@ -73,6 +95,7 @@ class _Wait:
                 ),
                 checkpoint=ctx.journal.draft(status=RunStatus.RUNNING, current_step=self.step_id),
                 consume_signal=None if consume is None else (consume, self.step_id),
+                use_approval=use,
             ),
             settle=(self.step_id, output_json),
         )
@@ -84,6 +107,8 @@ class _Wait:
         wake_at: float | None,
         *,
         wake_on_signal: str | None = None,
+        status: RunStatus = RunStatus.WAITING_EXTERNAL,
+        request: ApprovalRequest | None = None,
     ) -> None:
         """Record the wait, release the run, and unwind the workflow until it is due."""
         ctx = self.ctx
@@ -102,17 +127,19 @@ class _Wait:
                     output_json=canonical_json(pending),
                 ),
                 run=RunUpdate(
-                    RunStatus.WAITING_EXTERNAL,
+                    status,
                     waiting_for=waiting,
                     available_at=FAR_FUTURE if wake_at is None else wake_at,
                 ),
-                checkpoint=ctx.journal.draft(
-                    status=RunStatus.WAITING_EXTERNAL, current_step=self.step_id
-                ),
+                checkpoint=ctx.journal.draft(status=status, current_step=self.step_id),
                 release=True,
                 wake_on_signal=wake_on_signal,
+                request_approval=request,
             )
         )
+        if request is not None:
+            # The request and the suspension are one transaction: this is the same moment.
+            faults.crash_point("approval.after_request")
         ctx.stopped = True
         raise Suspend
 
@@ -180,3 +207,134 @@ async def wait_for_event(name: str, *, timeout: float | timedelta | None = None)
             step_id=wait.step_id,
         )
     return wait.outcome["payload"]
+
+
+async def approval(
+    name: str, payload: Any = None, *, expires_in: float | timedelta = timedelta(hours=24)
+) -> dict[str, Any]:
+    """Wait for a person to approve ``payload`` (a plan, a draft, an amount).
+
+    The approval is bound to this run, this call and the payload's hash, and used once.
+    Returns ``{"approved": True, "by", "comment", "approval_id", "payload_hash"}``; a
+    rejection raises :class:`ApprovalRejected`; one that expires undecided is requested
+    again.
+
+    Example::
+
+        decision = await durably.approval("send_campaign", {"audience": 12000})
+    """
+    if not name or "#" in name or "|" in name:
+        raise ConfigurationError(f"approval name {name!r} is empty or contains '#' or '|'")
+    ttl = _seconds(expires_in, "expires_in")
+    assert ttl is not None
+    payload_json = canonical_json(payload, what=f"the payload of approval {name!r}")
+    payload_hash = sha256_hex(payload_json)
+    ctx = context.active()
+    # The payload is bound by the approval, not the call: a payload that changed before the
+    # decision asks again; one that changed after it is non-determinism.
+    wait = _Wait(ctx, f"{APPROVAL}:{name}", {"name": name})
+    decided = wait.outcome if isinstance(wait.outcome, dict) else {}
+    if wait.settled and decided.get("payload_hash") != payload_hash:
+        raise ctx.poison(
+            NonDeterminismError(
+                f"approval {name!r} at {wait.step_id} was decided for another payload "
+                "than the workflow now passes; workflow code must be deterministic",
+                run_id=ctx.run.run_id,
+                step_id=wait.step_id,
+            )
+        )
+    if not wait.settled:
+        await ctx.boundary()
+        requests = ctx.approvals.get(wait.step_id, [])
+        latest = requests[-1] if requests else None
+        now = await ctx.store.now()
+        if latest is not None and (
+            latest.input_hash != payload_hash or latest.plan_version != ctx.run.plan_version
+        ):
+            latest_bound = None
+        else:
+            latest_bound = latest
+        if latest_bound is not None and latest_bound.status == "rejected":
+            wait.outcome = _decision(latest_bound, approved=False)
+            await wait.settle(wait.outcome, "approval_rejected")
+        elif (
+            latest_bound is not None
+            and latest_bound.status == "approved"
+            and latest_bound.expires_at > now
+        ):
+            wait.outcome = _decision(latest_bound, approved=True)
+            use = ApprovalUse(latest_bound.approval_id, payload_hash, None, ctx.run.plan_version)
+            await wait.settle(wait.outcome, "approval_granted", use=use)
+        else:
+            await _request(wait, name, payload, payload_json, payload_hash, latest, now + ttl, now)
+    assert isinstance(wait.outcome, dict)
+    if not wait.outcome["approved"]:
+        raise ApprovalRejected(
+            f"approval {name!r} was rejected by {wait.outcome['by']}",
+            run_id=ctx.run.run_id,
+            step_id=wait.step_id,
+            approval_id=str(wait.outcome["approval_id"]),
+            by=wait.outcome["by"],
+            comment=wait.outcome["comment"],
+        )
+    return wait.outcome
+
+
+async def _request(
+    wait: _Wait,
+    name: str,
+    payload: Any,
+    payload_json: str,
+    payload_hash: str,
+    latest: Approval | None,
+    expires_at: float,
+    now: float,
+) -> None:
+    """Wait for the pending request, or record a new one (none yet, expired, or unbound)."""
+    pending = (
+        latest is not None
+        and latest.status == "requested"
+        and latest.input_hash == payload_hash
+        and latest.expires_at > now
+    )
+    request = None
+    if pending and latest is not None:
+        approval_id, expires_at = latest.approval_id, latest.expires_at
+    else:
+        approval_id = uuid.uuid4().hex
+        request = ApprovalRequest(
+            approval_id=approval_id,
+            step_id=wait.step_id,
+            kind="plan",
+            name=name,
+            payload_json=payload_json,
+            input_hash=payload_hash,
+            idempotency_key=None,
+            plan_version=wait.ctx.run.plan_version,
+            expires_at=expires_at,
+            replaces=None if latest is None else latest.approval_id,
+        )
+    waiting = {
+        "kind": "approval",
+        "approval_id": approval_id,
+        "name": name,
+        "payload": payload,
+        "expires_at": expires_at,
+    }
+    await wait.suspend(
+        {"approval_id": approval_id},
+        waiting,
+        expires_at,
+        status=RunStatus.WAITING_APPROVAL,
+        request=request,
+    )
+
+
+def _decision(approval: Approval, *, approved: bool) -> dict[str, Any]:
+    return {
+        "approved": approved,
+        "by": approval.decided_by,
+        "comment": approval.comment,
+        "approval_id": approval.approval_id,
+        "payload_hash": approval.input_hash,
+    }

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from durably.checkpoint import CheckpointDraft
-from durably.errors import LeaseLostError
+from durably.errors import InvalidTransition, LeaseLostError
 from durably.status import OperationStatus, RunStatus, StepStatus
 
 RUNNABLE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RECONCILING)
@@ -126,6 +126,53 @@ class Signal:
 
 
 @dataclass(frozen=True)
+class Approval:
+    approval_id: str
+    run_id: str
+    step_id: str
+    kind: str
+    name: str
+    payload: Any
+    input_hash: str
+    idempotency_key: str | None
+    plan_version: int
+    status: str
+    requested_at: float
+    expires_at: float
+    decided_at: float | None
+    decided_by: str | None
+    comment: str | None
+    consumed_at: float | None
+
+
+@dataclass(frozen=True)
+class ApprovalRequest:
+    """A new approval request; ``replaces`` is an earlier one of the same call, now void."""
+
+    approval_id: str
+    step_id: str
+    kind: str
+    name: str
+    payload_json: str
+    input_hash: str
+    idempotency_key: str | None
+    plan_version: int
+    expires_at: float
+    replaces: str | None = None
+
+
+@dataclass(frozen=True)
+class ApprovalUse:
+    """Consume an approved request in the transaction that claims its effect: it must be
+    approved, unexpired by the store's clock, and bound to exactly this call."""
+
+    approval_id: str
+    input_hash: str
+    idempotency_key: str | None
+    plan_version: int
+
+
+@dataclass(frozen=True)
 class StoredCheckpoint:
     payload: dict[str, Any]
     checksum: str
@@ -232,6 +279,9 @@ class Transition:
     """(event_id, step_id): the wait at step_id settles with this signal; exactly once."""
     wake_on_signal: str | None = None
     """The run starts waiting for events of this name: if one arrived meanwhile, it is due now."""
+    request_approval: ApprovalRequest | None = None
+    use_approval: ApprovalUse | None = None
+    """Raises ApprovalExpired (and nothing of the transition applies) if not usable."""
 
 
 @dataclass(frozen=True)
@@ -257,6 +307,8 @@ class Journal:
     checkpoints: list[StoredCheckpoint]
     signals: list[Signal] = field(default_factory=list)
     """Events delivered to the run and not consumed yet, in arrival order."""
+    approvals: list[Approval] = field(default_factory=list)
+    """Every approval request of the run, oldest first."""
 
 
 @dataclass(frozen=True)
@@ -346,6 +398,23 @@ class Store(abc.ABC):
         """Flag the run for cancellation at its next boundary and make it due if it waits.
 
         Raises RunNotFound, or InvalidTransition for a finished run.
+        """
+
+    @abc.abstractmethod
+    async def decide_approval(
+        self,
+        run_id: str,
+        approval_id: str | None,
+        decision: str,
+        by: str,
+        comment: str | None,
+    ) -> tuple[Approval, bool]:
+        """Record ``decision`` ('approved' or 'rejected') on the run's pending approval.
+
+        ``approval_id`` may be omitted when exactly one is pending. Returns the approval and
+        whether it had expired (then it is marked expired and the run made due, so that it
+        asks again). Raises RunNotFound, or InvalidTransition when nothing is pending, the
+        approval was already decided, or several are pending and none was named.
         """
 
     async def wait_for_work(self, timeout_s: float) -> bool:
@@ -450,3 +519,47 @@ def signal_from_row(r: Row) -> Signal:
         payload=loads(r["payload_json"]),
         received_at=r["received_at"],
     )
+
+
+def approval_from_row(r: Row) -> Approval:
+    return Approval(
+        approval_id=r["approval_id"],
+        run_id=r["run_id"],
+        step_id=r["step_id"],
+        kind=r["kind"],
+        name=r["name"],
+        payload=loads(r["payload_json"]),
+        input_hash=r["input_hash"],
+        idempotency_key=r["idempotency_key"],
+        plan_version=r["plan_version"],
+        status=r["status"],
+        requested_at=r["requested_at"],
+        expires_at=r["expires_at"],
+        decided_at=r["decided_at"],
+        decided_by=r["decided_by"],
+        comment=r["comment"],
+        consumed_at=r["consumed_at"],
+    )
+
+
+def pending_approval(run_id: str, approval_id: str | None, approvals: list[Approval]) -> Approval:
+    """The approval a decision is about, or the InvalidTransition that says why none is."""
+    pending = [a for a in approvals if a.status == "requested"]
+    if approval_id is not None and not pending:
+        if not approvals:
+            raise InvalidTransition(f"run {run_id} has no approval {approval_id!r}", run_id=run_id)
+        done = approvals[0]
+        raise InvalidTransition(
+            f"approval {approval_id} of run {run_id} is already {done.status}"
+            + (f" (by {done.decided_by})" if done.decided_by else "")
+            + "; a decision is recorded once",
+            run_id=run_id,
+        )
+    if not pending:
+        raise InvalidTransition(f"run {run_id} has no pending approval", run_id=run_id)
+    if len(pending) > 1:
+        ids = ", ".join(a.approval_id for a in pending)
+        raise InvalidTransition(
+            f"run {run_id} has {len(pending)} pending approvals ({ids}); name one", run_id=run_id
+        )
+    return pending[0]

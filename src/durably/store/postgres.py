@@ -27,12 +27,13 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from durably.errors import InvalidTransition, RunNotFound, StoreUnavailable
+from durably.errors import ApprovalExpired, InvalidTransition, RunNotFound, StoreUnavailable
 from durably.keys import plain_json
 from durably.status import RunStatus
 from durably.store.base import (
     CLAIMABLE,
     RUNNABLE,
+    Approval,
     Claim,
     Committed,
     Event,
@@ -45,10 +46,12 @@ from durably.store.base import (
     Store,
     StoredCheckpoint,
     Transition,
+    approval_from_row,
     checkpoint_from_row,
     lease_lost,
     loads,
     operation_from_row,
+    pending_approval,
     run_from_row,
     signal_from_row,
     step_from_row,
@@ -384,7 +387,25 @@ class PostgresStore(Store):
                     (t.consume_signal[1], guard.run_id, t.consume_signal[0]),
                 )
             )
+        if t.use_approval is not None:
+            a = t.use_approval
+            first.append(
+                (
+                    f"UPDATE durably_approvals SET status = 'consumed', consumed_at = {_NOW} "
+                    "WHERE approval_id = %s AND run_id = %s AND status = 'approved' "
+                    f"AND expires_at > {_NOW} AND input_hash = %s "
+                    "AND idempotency_key IS NOT DISTINCT FROM %s AND plan_version = %s "
+                    "RETURNING approval_id",
+                    (a.approval_id, guard.run_id, a.input_hash, a.idempotency_key, a.plan_version),
+                )
+            )
         results = await _script(db, first)
+        if t.use_approval is not None and not results.pop():
+            raise ApprovalExpired(
+                f"approval {t.use_approval.approval_id} is no longer usable (expired, used, "
+                "or bound to another call); a new approval is needed",
+                run_id=guard.run_id,
+            )
         if t.consume_signal is not None and not results[-1]:
             raise InvalidTransition(
                 f"event {t.consume_signal[0]} of run {guard.run_id} was already consumed",
@@ -415,96 +436,11 @@ class PostgresStore(Store):
         # Round trip 2: everything else, and COMMIT.
         last_sequence = int(fenced[0]["last_sequence"])
         state_version = int(fenced[0]["state_version"])
-        rest: list[Statement] = []
+        rest = _second_round(
+            guard, t, last_sequence, state_version, insert_operation=not conditional
+        )
         if o is not None and not conditional:
-            rest.append(_operation(guard, o))
             op_version = 1
-        if t.run is not None:
-            u = t.run
-            rest.append(
-                (
-                    "UPDATE durably_runs SET status = %s, status_reason = %s, "
-                    "result_json = coalesce(%s, result_json), error_json = %s, "
-                    "waiting_for_json = %s, available_at = coalesce(%s, available_at) "
-                    "WHERE run_id = %s",
-                    (
-                        u.status.value,
-                        u.status_reason,
-                        u.result_json,
-                        _json_or_none(u.error),
-                        _json_or_none(u.waiting_for),
-                        u.available_at,
-                        guard.run_id,
-                    ),
-                )
-            )
-        runnable = t.run is None or t.run.status in RUNNABLE
-        if runnable and (t.release or (isinstance(guard, Expect) and t.run is not None)):
-            # Delivered at COMMIT: sleeping workers wake for a run they can claim now.
-            rest.append((f"NOTIFY {CHANNEL}", ()))
-        if t.wake_on_signal is not None:
-            # The run is about to wait for this event name: one that arrived meanwhile makes
-            # it due at once (delivery locks the run row, so the two serialise).
-            rest.append(
-                (
-                    f"UPDATE durably_runs SET status = 'queued', available_at = {_NOW} "
-                    "WHERE run_id = %s AND EXISTS (SELECT 1 FROM durably_signals "
-                    "WHERE run_id = %s AND name = %s AND consumed_by IS NULL)",
-                    (guard.run_id, guard.run_id, t.wake_on_signal),
-                )
-            )
-        start = last_sequence - len(t.events) + 1
-        rest += [
-            _event(guard.run_id, start + i, e.type, e.step_id, e.payload)
-            for i, e in enumerate(t.events)
-        ]
-        if t.step is not None:
-            s = t.step
-            rest.append(
-                (
-                    "INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, "
-                    "input_hash, output_json, error_json, idempotency_key, attempts, "
-                    "settled_sequence, created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, "
-                    f"%s, %s, %s, %s, %s, %s, {_NOW}, {_NOW}) ON CONFLICT (run_id, step_id) "
-                    "DO UPDATE SET status = excluded.status, output_json = excluded.output_json, "
-                    "error_json = excluded.error_json, attempts = excluded.attempts, "
-                    "settled_sequence = coalesce(excluded.settled_sequence, "
-                    "durably_steps.settled_sequence), updated_at = excluded.updated_at",
-                    (
-                        guard.run_id,
-                        s.step_id,
-                        s.position,
-                        s.kind,
-                        s.name,
-                        s.status.value,
-                        s.input_hash,
-                        s.output_json,
-                        _json_or_none(s.error),
-                        s.idempotency_key,
-                        s.attempts,
-                        last_sequence if s.settle else None,
-                    ),
-                )
-            )
-        if t.checkpoint is not None:
-            cp, payload_json = t.checkpoint.seal(
-                state_version=state_version, last_event_sequence=last_sequence
-            )
-            rest.append(
-                (
-                    "INSERT INTO durably_checkpoints (run_id, state_version, "
-                    "last_event_sequence, schema_version, payload_json, checksum, created_at) "
-                    f"VALUES (%s, %s, %s, %s, %s, %s, {_NOW})",
-                    (
-                        cp.run_id,
-                        cp.state_version,
-                        cp.last_event_sequence,
-                        cp.schema_version,
-                        payload_json,
-                        cp.checksum,
-                    ),
-                )
-            )
         await _finish(db, sent, rest)
         return Committed(
             last_sequence,
@@ -572,6 +508,67 @@ class PostgresStore(Store):
         # Idempotent: a retry after a lost COMMIT finds the event and reports a duplicate.
         return await self._transact(work, idempotent=True)
 
+    async def decide_approval(
+        self,
+        run_id: str,
+        approval_id: str | None,
+        decision: str,
+        by: str,
+        comment: str | None,
+    ) -> tuple[Approval, bool]:
+        async def work(db: AsyncConn, sent: _Sent) -> tuple[Approval, bool]:
+            _, runs, rows, clock = await _script(
+                db,
+                [
+                    ("BEGIN", ()),
+                    ("SELECT run_id FROM durably_runs WHERE run_id = %s FOR UPDATE", (run_id,)),
+                    (
+                        "SELECT * FROM durably_approvals WHERE run_id = %s "
+                        "AND (%s::text IS NULL OR approval_id = %s) ORDER BY requested_at",
+                        (run_id, approval_id, approval_id),
+                    ),
+                    (f"SELECT {_NOW} AS now", ()),
+                ],
+            )
+            if not runs:
+                raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+            found = [approval_from_row(r) for r in rows or []]
+            target = pending_approval(run_id, approval_id, found)
+            expired = target.expires_at <= float(clock[0]["now"]) if clock else False
+            status = "expired" if expired else decision
+            payload = {"approval_id": target.approval_id, "decision": status, "by": by}
+            updated, *_ = await _finish(
+                db,
+                sent,
+                [
+                    (
+                        f"UPDATE durably_approvals SET status = %s, decided_at = {_NOW}, "
+                        "decided_by = %s, comment = %s WHERE approval_id = %s RETURNING *",
+                        (status, by, comment, target.approval_id),
+                    ),
+                    (
+                        "UPDATE durably_runs SET last_sequence = last_sequence + 1, "
+                        f"state_version = state_version + 1, updated_at = {_NOW}, "
+                        "status = CASE WHEN status = 'waiting_approval' THEN 'queued' "
+                        "ELSE status END, available_at = CASE WHEN status = 'waiting_approval' "
+                        f"THEN {_NOW} ELSE available_at END WHERE run_id = %s",
+                        (run_id,),
+                    ),
+                    (
+                        "INSERT INTO durably_events (run_id, sequence, type, step_id, "
+                        "payload_json, created_at) SELECT run_id, last_sequence, "
+                        f"'approval_decided', %s, %s, {_NOW} FROM durably_runs "
+                        "WHERE run_id = %s",
+                        (target.step_id, plain_json(payload), run_id),
+                    ),
+                    (f"NOTIFY {CHANNEL}", ()),
+                ],
+            )
+            assert updated
+            return approval_from_row(updated[0]), expired
+
+        return await self._transact(work)
+
     async def request_cancel(self, run_id: str, *, compensate: bool) -> RunRecord:
         async def work(db: AsyncConn, sent: _Sent) -> RunRecord:
             _, runs = await _script(
@@ -623,7 +620,7 @@ class PostgresStore(Store):
     async def load_journal(self, run_id: str, *, checkpoints: int = 3) -> Journal | None:
         async def work(db: AsyncConn, sent: _Sent) -> Journal | None:
             # One round trip; REPEATABLE READ makes the four reads one moment's state.
-            _, run, steps, ops, cps, signals, _ = await _script(
+            _, run, steps, ops, cps, signals, approvals, _ = await _script(
                 db,
                 [
                     ("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", ()),
@@ -647,6 +644,10 @@ class PostgresStore(Store):
                         "AND consumed_by IS NULL ORDER BY received_at, event_id",
                         (run_id,),
                     ),
+                    (
+                        "SELECT * FROM durably_approvals WHERE run_id = %s ORDER BY requested_at",
+                        (run_id,),
+                    ),
                     ("COMMIT", ()),
                 ],
             )
@@ -658,6 +659,7 @@ class PostgresStore(Store):
                 operations=[operation_from_row(r) for r in ops or []],
                 checkpoints=[checkpoint_from_row(r) for r in cps or []],
                 signals=[signal_from_row(r) for r in signals or []],
+                approvals=[approval_from_row(r) for r in approvals or []],
             )
 
         return await self._transact(work, idempotent=True)
@@ -721,6 +723,139 @@ class PostgresStore(Store):
             self._listeners.pop(loop, None)
             await asyncio.sleep(timeout_s)
         return False
+
+
+def _second_round(
+    guard: Lease | Expect,
+    t: Transition,
+    last_sequence: int,
+    state_version: int,
+    *,
+    insert_operation: bool,
+) -> list[Statement]:
+    """The statements of a commit that cannot refuse it: they follow the fence."""
+    rest: list[Statement] = []
+    o = t.operation
+    if o is not None and insert_operation:
+        rest.append(_operation(guard, o))
+    if t.run is not None:
+        u = t.run
+        rest.append(
+            (
+                "UPDATE durably_runs SET status = %s, status_reason = %s, "
+                "result_json = coalesce(%s, result_json), error_json = %s, "
+                "waiting_for_json = %s, available_at = coalesce(%s, available_at) "
+                "WHERE run_id = %s",
+                (
+                    u.status.value,
+                    u.status_reason,
+                    u.result_json,
+                    _json_or_none(u.error),
+                    _json_or_none(u.waiting_for),
+                    u.available_at,
+                    guard.run_id,
+                ),
+            )
+        )
+    runnable = t.run is None or t.run.status in RUNNABLE
+    if runnable and (t.release or (isinstance(guard, Expect) and t.run is not None)):
+        # Delivered at COMMIT: sleeping workers wake for a run they can claim now.
+        rest.append((f"NOTIFY {CHANNEL}", ()))
+    if t.request_approval is not None:
+        r = t.request_approval
+        if r.replaces is not None:
+            rest.append(
+                (
+                    f"UPDATE durably_approvals SET status = CASE WHEN expires_at <= {_NOW} "
+                    "THEN 'expired' ELSE 'superseded' END WHERE approval_id = %s "
+                    "AND status IN ('requested', 'approved')",
+                    (r.replaces,),
+                )
+            )
+        rest.append(
+            (
+                "INSERT INTO durably_approvals (approval_id, run_id, step_id, kind, name, "
+                "payload_json, input_hash, idempotency_key, plan_version, status, "
+                "requested_at, expires_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, "
+                f"'requested', {_NOW}, %s)",
+                (
+                    r.approval_id,
+                    guard.run_id,
+                    r.step_id,
+                    r.kind,
+                    r.name,
+                    r.payload_json,
+                    r.input_hash,
+                    r.idempotency_key,
+                    r.plan_version,
+                    r.expires_at,
+                ),
+            )
+        )
+    if t.wake_on_signal is not None:
+        # The run is about to wait for this event name: one that arrived meanwhile makes
+        # it due at once (delivery locks the run row, so the two serialise).
+        rest.append(
+            (
+                f"UPDATE durably_runs SET status = 'queued', available_at = {_NOW} "
+                "WHERE run_id = %s AND EXISTS (SELECT 1 FROM durably_signals "
+                "WHERE run_id = %s AND name = %s AND consumed_by IS NULL)",
+                (guard.run_id, guard.run_id, t.wake_on_signal),
+            )
+        )
+    start = last_sequence - len(t.events) + 1
+    rest += [
+        _event(guard.run_id, start + i, e.type, e.step_id, e.payload)
+        for i, e in enumerate(t.events)
+    ]
+    if t.step is not None:
+        s = t.step
+        rest.append(
+            (
+                "INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, "
+                "input_hash, output_json, error_json, idempotency_key, attempts, "
+                "settled_sequence, created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, "
+                f"%s, %s, %s, %s, %s, %s, {_NOW}, {_NOW}) ON CONFLICT (run_id, step_id) "
+                "DO UPDATE SET status = excluded.status, output_json = excluded.output_json, "
+                "error_json = excluded.error_json, attempts = excluded.attempts, "
+                "settled_sequence = coalesce(excluded.settled_sequence, "
+                "durably_steps.settled_sequence), updated_at = excluded.updated_at",
+                (
+                    guard.run_id,
+                    s.step_id,
+                    s.position,
+                    s.kind,
+                    s.name,
+                    s.status.value,
+                    s.input_hash,
+                    s.output_json,
+                    _json_or_none(s.error),
+                    s.idempotency_key,
+                    s.attempts,
+                    last_sequence if s.settle else None,
+                ),
+            )
+        )
+    if t.checkpoint is not None:
+        cp, payload_json = t.checkpoint.seal(
+            state_version=state_version, last_event_sequence=last_sequence
+        )
+        rest.append(
+            (
+                "INSERT INTO durably_checkpoints (run_id, state_version, "
+                "last_event_sequence, schema_version, payload_json, checksum, created_at) "
+                f"VALUES (%s, %s, %s, %s, %s, %s, {_NOW})",
+                (
+                    cp.run_id,
+                    cp.state_version,
+                    cp.last_event_sequence,
+                    cp.schema_version,
+                    payload_json,
+                    cp.checksum,
+                ),
+            )
+        )
+    return rest
 
 
 def _check_open(run_id: str, run: dict[str, Any] | None) -> None:

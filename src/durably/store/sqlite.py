@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from durably.errors import (
+    ApprovalExpired,
     ConfigurationError,
     InvalidTransition,
     RunNotFound,
@@ -26,6 +27,7 @@ from durably.keys import plain_json
 from durably.status import RunStatus
 from durably.store.base import (
     CLAIMABLE,
+    Approval,
     Claim,
     Committed,
     Event,
@@ -37,10 +39,12 @@ from durably.store.base import (
     Store,
     StoredCheckpoint,
     Transition,
+    approval_from_row,
     checkpoint_from_row,
     lease_lost,
     loads,
     operation_from_row,
+    pending_approval,
     run_from_row,
     signal_from_row,
     step_from_row,
@@ -329,6 +333,57 @@ class SQLiteStore(Store):
                     "WHERE run_id = ? AND name = ? AND consumed_by IS NULL)",
                     (now, guard.run_id, guard.run_id, t.wake_on_signal),
                 )
+            if t.use_approval is not None:
+                a = t.use_approval
+                used = db.execute(
+                    "UPDATE durably_approvals SET status = 'consumed', consumed_at = ? "
+                    "WHERE approval_id = ? AND run_id = ? AND status = 'approved' "
+                    "AND expires_at > ? AND input_hash = ? AND idempotency_key IS ? "
+                    "AND plan_version = ?",
+                    (
+                        now,
+                        a.approval_id,
+                        guard.run_id,
+                        now,
+                        a.input_hash,
+                        a.idempotency_key,
+                        a.plan_version,
+                    ),
+                )
+                if used.rowcount != 1:
+                    raise ApprovalExpired(
+                        f"approval {a.approval_id} is no longer usable (expired, used, or "
+                        "bound to another call); a new approval is needed",
+                        run_id=guard.run_id,
+                    )
+            if t.request_approval is not None:
+                r = t.request_approval
+                if r.replaces is not None:
+                    db.execute(
+                        "UPDATE durably_approvals SET status = CASE WHEN expires_at <= ? "
+                        "THEN 'expired' ELSE 'superseded' END WHERE approval_id = ? "
+                        "AND status IN ('requested', 'approved')",
+                        (now, r.replaces),
+                    )
+                db.execute(
+                    "INSERT INTO durably_approvals (approval_id, run_id, step_id, kind, name, "
+                    "payload_json, input_hash, idempotency_key, plan_version, status, "
+                    "requested_at, expires_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'requested', ?, ?)",
+                    (
+                        r.approval_id,
+                        guard.run_id,
+                        r.step_id,
+                        r.kind,
+                        r.name,
+                        r.payload_json,
+                        r.input_hash,
+                        r.idempotency_key,
+                        r.plan_version,
+                        now,
+                        r.expires_at,
+                    ),
+                )
             if t.consume_signal is not None:
                 event_id, step_id = t.consume_signal
                 consumed = db.execute(
@@ -527,6 +582,48 @@ class SQLiteStore(Store):
             self._insert_event(db, run_id, sequence, "event_received", None, payload, now)
         return True
 
+    async def decide_approval(
+        self,
+        run_id: str,
+        approval_id: str | None,
+        decision: str,
+        by: str,
+        comment: str | None,
+    ) -> tuple[Approval, bool]:
+        now = time.time()
+        with self._tx() as db:
+            if (
+                db.execute("SELECT 1 FROM durably_runs WHERE run_id = ?", (run_id,)).fetchone()
+                is None
+            ):
+                raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+            rows = db.execute(
+                "SELECT * FROM durably_approvals WHERE run_id = ? "
+                "AND (? IS NULL OR approval_id = ?) ORDER BY requested_at",
+                (run_id, approval_id, approval_id),
+            ).fetchall()
+            target = pending_approval(run_id, approval_id, [approval_from_row(r) for r in rows])
+            expired = target.expires_at <= now
+            status = "expired" if expired else decision
+            row = db.execute(
+                "UPDATE durably_approvals SET status = ?, decided_at = ?, decided_by = ?, "
+                "comment = ? WHERE approval_id = ? RETURNING *",
+                (status, now, by, comment, target.approval_id),
+            ).fetchone()
+            sequence = db.execute(
+                "UPDATE durably_runs SET last_sequence = last_sequence + 1, "
+                "state_version = state_version + 1, updated_at = ?, "
+                "status = CASE WHEN status = 'waiting_approval' THEN 'queued' ELSE status END, "
+                "available_at = CASE WHEN status = 'waiting_approval' THEN ? "
+                "ELSE available_at END WHERE run_id = ? RETURNING last_sequence",
+                (now, now, run_id),
+            ).fetchone()[0]
+            payload = {"approval_id": target.approval_id, "decision": status, "by": by}
+            self._insert_event(
+                db, run_id, sequence, "approval_decided", target.step_id, payload, now
+            )
+        return approval_from_row(row), expired
+
     async def request_cancel(self, run_id: str, *, compensate: bool) -> RunRecord:
         now = time.time()
         with self._tx() as db:
@@ -588,6 +685,10 @@ class SQLiteStore(Store):
                     "ORDER BY state_version DESC LIMIT ?",
                     (run_id, checkpoints),
                 ).fetchall()
+                approvals = self._conn.execute(
+                    "SELECT * FROM durably_approvals WHERE run_id = ? ORDER BY requested_at",
+                    (run_id,),
+                ).fetchall()
                 signals = self._conn.execute(
                     "SELECT * FROM durably_signals WHERE run_id = ? AND consumed_by IS NULL "
                     "ORDER BY received_at, event_id",
@@ -601,6 +702,7 @@ class SQLiteStore(Store):
             operations=[operation_from_row(o) for o in ops],
             checkpoints=[checkpoint_from_row(c) for c in cps],
             signals=[signal_from_row(r) for r in signals],
+            approvals=[approval_from_row(r) for r in approvals],
         )
 
     async def events(self, run_id: str, *, after: int = 0) -> list[Event]:

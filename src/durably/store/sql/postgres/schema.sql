@@ -118,3 +118,24 @@ CREATE TABLE durably_signals (
     consumed_by   TEXT,
     PRIMARY KEY (run_id, event_id)
 );
+CREATE TABLE durably_approvals (
+    approval_id      TEXT PRIMARY KEY,
+    run_id           TEXT NOT NULL REFERENCES durably_runs (run_id),
+    step_id          TEXT NOT NULL,
+    kind             TEXT NOT NULL CHECK (kind IN ('tool', 'plan')),
+    name             TEXT NOT NULL,
+    payload_json     TEXT NOT NULL,
+    input_hash       TEXT NOT NULL,
+    idempotency_key  TEXT,
+    plan_version     INTEGER NOT NULL,
+    status           TEXT NOT NULL CHECK (status IN ('requested', 'approved', 'rejected',
+                       'expired', 'consumed', 'superseded')),
+    requested_at     DOUBLE PRECISION NOT NULL,
+    expires_at       DOUBLE PRECISION NOT NULL,
+    decided_at       DOUBLE PRECISION,
+    decided_by       TEXT,
+    comment          TEXT,
+    consumed_at      DOUBLE PRECISION
+);
+
+CREATE INDEX durably_approvals_run ON durably_approvals (run_id, step_id);

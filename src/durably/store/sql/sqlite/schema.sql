@@ -1,5 +1,25 @@
 -- Snapshot of the SQLite schema after every migration (tests/test_migrations.py keeps it true).
 
+CREATE TABLE durably_approvals (
+    approval_id      TEXT PRIMARY KEY,
+    run_id           TEXT NOT NULL REFERENCES durably_runs (run_id),
+    step_id          TEXT NOT NULL,
+    kind             TEXT NOT NULL CHECK (kind IN ('tool', 'plan')),
+    name             TEXT NOT NULL,
+    payload_json     TEXT NOT NULL,
+    input_hash       TEXT NOT NULL,
+    idempotency_key  TEXT,
+    plan_version     INTEGER NOT NULL,
+    status           TEXT NOT NULL CHECK (status IN ('requested', 'approved', 'rejected',
+                       'expired', 'consumed', 'superseded')),
+    requested_at     REAL NOT NULL,
+    expires_at       REAL NOT NULL,
+    decided_at       REAL,
+    decided_by       TEXT,
+    comment          TEXT,
+    consumed_at      REAL
+) WITHOUT ROWID;
+
 CREATE TABLE durably_checkpoints (
     run_id               TEXT NOT NULL REFERENCES durably_runs (run_id),
     state_version        INTEGER NOT NULL,
@@ -110,6 +130,8 @@ CREATE TABLE durably_tool_operations (
     updated_at             REAL NOT NULL,
     PRIMARY KEY (tenant_id, idempotency_key)
 ) WITHOUT ROWID;
+
+CREATE INDEX durably_approvals_run ON durably_approvals (run_id, step_id);
 
 CREATE INDEX durably_runs_created ON durably_runs (created_at);
 

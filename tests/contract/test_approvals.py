@@ -1,0 +1,189 @@
+"""Approvals bound to exactly what they approve, over both stores."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import durably
+from durably import RunStatus
+from tests.conftest import execute_sql
+
+MakeApp = Callable[..., durably.App]
+
+
+def approvals(app: durably.App, run_id: str) -> list[dict[str, Any]]:
+    return list(app.describe(run_id)["approvals"])
+
+
+def expire(database_url: str, approval_id: str) -> None:
+    """Move the approval's expiry into the past: the clock, controlled, not slept."""
+    execute_sql(
+        database_url,
+        "UPDATE durably_approvals SET expires_at = 1 WHERE approval_id = ?",
+        (approval_id,),
+    )
+
+
+@pytest.fixture
+def mailer(make_app: MakeApp) -> tuple[durably.App, Counter[str], dict[str, str]]:
+    app = make_app()
+    sent = Counter[str]()
+    to = {"address": "lead@example.com"}
+
+    @app.tool(idempotent=True, requires_approval=True, approval_ttl=timedelta(hours=1))
+    def send_email(address: str, body: str) -> dict[str, str]:
+        sent[address] += 1
+        return {"sent_to": address}
+
+    @app.workflow()
+    async def report() -> Any:
+        try:
+            return await send_email(to["address"], "Q3 figures")
+        except durably.ApprovalRejected as exc:
+            return {"rejected_by": exc.by, "comment": exc.comment}
+
+    return app, sent, to
+
+
+def test_effect_waits_for_approval_and_runs_once(mailer: Any) -> None:
+    app, sent, _ = mailer
+    run = app.run("report")
+    assert run.status is RunStatus.WAITING_APPROVAL
+    assert run.waiting_for["tool"] == "send_email"
+    assert run.waiting_for["arguments"] == {"address": "lead@example.com", "body": "Q3 figures"}
+    assert sent == Counter()
+    (pending,) = approvals(app, run.run_id)
+    assert pending["status"] == "requested"
+    approved = app.approve(run.run_id, by="ana", comment="ok")
+    assert approved.approval_id == pending["approval_id"]
+    with pytest.raises(durably.InvalidTransition, match="already approved"):
+        app.approve(run.run_id, approved.approval_id, by="eve")
+    done = app.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED
+    assert sent == Counter({"lead@example.com": 1})
+    (used,) = approvals(app, run.run_id)
+    assert used["status"] == "consumed"
+    assert used["idempotency_key"] == app.describe(run.run_id)["effects"][0]["idempotency_key"]
+
+
+def test_rejection_raises_in_the_workflow(mailer: Any) -> None:
+    app, sent, _ = mailer
+    run = app.run("report")
+    app.reject(run.run_id, by="ana", comment="numbers are wrong")
+    done = app.resume(run.run_id)
+    assert done.result == {"rejected_by": "ana", "comment": "numbers are wrong"}
+    assert sent == Counter()
+
+
+def test_an_expired_approval_never_authorises_the_effect(mailer: Any, database_url: str) -> None:
+    app, sent, _ = mailer
+    run = app.run("report")
+    first = app.approve(run.run_id, by="ana")
+    expire(database_url, first.approval_id)
+    again = app.resume(run.run_id)
+    assert again.status is RunStatus.WAITING_APPROVAL
+    assert sent == Counter()
+    statuses = [a["status"] for a in approvals(app, run.run_id)]
+    assert statuses == ["expired", "requested"]
+    app.approve(run.run_id, by="ana")
+    assert app.resume(run.run_id).status is RunStatus.COMPLETED
+    assert sent == Counter({"lead@example.com": 1})
+
+
+def test_deciding_after_expiry_is_refused(mailer: Any, database_url: str) -> None:
+    app, sent, _ = mailer
+    run = app.run("report")
+    (pending,) = approvals(app, run.run_id)
+    expire(database_url, pending["approval_id"])
+    with pytest.raises(durably.ApprovalExpired):
+        app.approve(run.run_id, by="ana")
+    again = app.resume(run.run_id)
+    assert again.status is RunStatus.WAITING_APPROVAL
+    assert [a["status"] for a in approvals(app, run.run_id)] == ["expired", "requested"]
+    assert sent == Counter()
+
+
+def test_approval_is_void_when_the_input_changed(mailer: Any) -> None:
+    app, sent, to = mailer
+    run = app.run("report")
+    app.approve(run.run_id, by="ana")
+    to["address"] = "everyone@example.com"  # the plan changed after approval
+    again = app.resume(run.run_id)
+    assert again.status is RunStatus.WAITING_APPROVAL
+    assert again.waiting_for["arguments"]["address"] == "everyone@example.com"
+    assert sent == Counter()
+    assert [a["status"] for a in approvals(app, run.run_id)] == ["superseded", "requested"]
+
+
+def test_the_store_judges_expiry_when_the_claim_consumes_it(database_url: str) -> None:
+    """Even a runtime that believed the approval valid cannot use an expired one."""
+    import asyncio
+
+    from durably.store import open_store
+    from durably.store.base import ApprovalRequest, ApprovalUse, EventWrite, NewRun, Transition
+
+    async def scenario() -> None:
+        store = open_store(database_url)
+        await store.migrate()
+        await store.create_run(NewRun("r", "default", "wf", "1", {}, "{}", "h"))
+        claim = await store.claim_run("r", "w", 30)
+        assert claim is not None
+        request = ApprovalRequest("a1", "t#1", "tool", "t", "{}", "ih", "k", 1, 10**10)
+        await store.commit(claim.lease, Transition(events=[], request_approval=request))
+        await store.decide_approval("r", "a1", "approved", "ana", None)
+        wrong_input = ApprovalUse("a1", "other", "k", 1)
+        with pytest.raises(durably.ApprovalExpired):
+            await store.commit(
+                claim.lease, Transition(events=[EventWrite("x")], use_approval=wrong_input)
+            )
+        execute_sql(database_url, "UPDATE durably_approvals SET expires_at = 1")
+        with pytest.raises(durably.ApprovalExpired):
+            await store.commit(
+                claim.lease,
+                Transition(events=[EventWrite("x")], use_approval=ApprovalUse("a1", "ih", "k", 1)),
+            )
+        assert "x" not in [e.type for e in await store.events("r")]
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_plan_approval_binds_its_payload(make_app: MakeApp) -> None:
+    app = make_app()
+    audience = {"n": 12000}
+
+    @app.workflow()
+    async def campaign() -> Any:
+        decision = await durably.approval("send_campaign", {"audience": audience["n"]})
+        return {"approved_by": decision["by"]}
+
+    run = app.run(campaign)
+    assert run.status is RunStatus.WAITING_APPROVAL
+    assert run.waiting_for["payload"] == {"audience": 12000}
+    app.approve(run.run_id, by="ana")
+    audience["n"] = 50000  # the plan grew after it was approved: ask again
+    again = app.resume(run.run_id)
+    assert again.status is RunStatus.WAITING_APPROVAL
+    assert again.waiting_for["payload"] == {"audience": 50000}
+    app.approve(run.run_id, by="bob")
+    done = app.resume(run.run_id)
+    assert done.result == {"approved_by": "bob"}
+
+
+def test_approve_needs_a_pending_approval(make_app: MakeApp) -> None:
+    app = make_app()
+
+    @app.workflow()
+    async def nothing() -> int:
+        return 1
+
+    run = app.run(nothing)
+    with pytest.raises(durably.InvalidTransition, match="no pending approval"):
+        app.approve(run.run_id)
+    with pytest.raises(durably.RunNotFound):
+        app.approve("no-such-run")
