@@ -11,10 +11,11 @@ from __future__ import annotations
 from durably.app import App, Durable, Run
 from durably.checkpoint import Checkpoint, register_checkpoint_migration
 from durably.context import RunInfo, current_run, idempotency_key
-from durably.definitions import RetryPolicy
+from durably.definitions import Budget, RetryPolicy
 from durably.errors import (
     ApprovalExpired,
     ApprovalRejected,
+    BudgetExceeded,
     CheckpointCorrupted,
     ConfigurationError,
     DurablyError,
@@ -46,13 +47,15 @@ from durably.status import (
 )
 from durably.store.base import Approval, Event
 from durably.waits import approval, sleep, wait_for_event
-from durably.workflow_api import compensate
+from durably.workflow_api import charge, compensate
 
 __all__ = [
     "App",
     "Approval",
     "ApprovalExpired",
     "ApprovalRejected",
+    "Budget",
+    "BudgetExceeded",
     "Checkpoint",
     "CheckpointCorrupted",
     "ConfigurationError",
@@ -86,6 +89,7 @@ __all__ = [
     "ToolError",
     "WaitTimeout",
     "approval",
+    "charge",
     "compensate",
     "crash_point",
     "current_run",

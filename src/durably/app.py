@@ -18,6 +18,7 @@ from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, ov
 from durably import context, effects, runtime
 from durably.checkpoint import checksum_of
 from durably.definitions import (
+    Budget,
     Classifier,
     Reconciler,
     RetryPolicy,
@@ -181,9 +182,11 @@ class App:
     # -- registration -------------------------------------------------------------------
 
     def workflow(
-        self, *, name: str | None = None, version: str = "1"
+        self, *, name: str | None = None, version: str = "1", budget: Budget | None = None
     ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
-        """Register an ``async def`` as a workflow; its runs are pinned to ``version``."""
+        """Register an ``async def`` as a workflow; its runs are pinned to ``version``.
+
+        ``budget`` limits each run (steps, tool calls, reported tokens and cost)."""
 
         def register(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
             if not inspect.iscoroutinefunction(fn):
@@ -194,7 +197,7 @@ class App:
                 raise ConfigurationError(
                     f"workflow {wf_name}: version {version!r} is empty or has '|'"
                 )
-            self._workflows[wf_name] = WorkflowDef(wf_name, fn, version)
+            self._workflows[wf_name] = WorkflowDef(wf_name, fn, version, budget or Budget())
             fn.__durably_workflow__ = wf_name  # type: ignore[attr-defined]
             return fn
 
@@ -234,6 +237,7 @@ class App:
         timeout: timedelta | None = None,
         requires_approval: bool = False,
         approval_ttl: timedelta = timedelta(hours=24),
+        authorize: Callable[[Operation], Any] | None = None,
     ) -> Register:
         """Register a tool whose call has an external side effect (the effect ledger).
 
@@ -243,6 +247,8 @@ class App:
         for a person. ``timeout`` bounds one execution; a timeout is an unknown outcome.
         ``requires_approval``: each call first waits for a person's approval bound to its
         exact input, key and plan version, valid ``approval_ttl`` and usable once.
+        ``authorize=fn``: asked right before every execution (also after a long wait); a
+        falsy answer or an exception is a PERMISSION failure: the run pauses, nothing is sent.
         """
 
         def register(fn: Callable[P, Any]) -> Durable[P, Any]:
@@ -276,6 +282,7 @@ class App:
                 timeout=timeout,
                 requires_approval=requires_approval,
                 approval_ttl=approval_ttl,
+                authorize=authorize,
             )
             self._tools[tool_name] = d
             return Durable(d, fn)

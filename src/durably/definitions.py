@@ -41,10 +41,40 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """Limits of one run; exceeding one pauses the run with reason ``budget_exceeded``.
+
+    Steps and tool calls are counted as the workflow makes them; tokens and cost are what
+    it reports with ``durably.charge(tokens=..., cost=...)``. ``None``: no limit.
+
+    Example: ``@app.workflow(budget=durably.Budget(max_tool_calls=20, max_cost=2.0))``
+    """
+
+    max_steps: int | None = None
+    max_tool_calls: int | None = None
+    max_cost: float | None = None
+    max_tokens: int | None = None
+
+    def exceeded(self, usage: dict[str, float]) -> str | None:
+        """Which limit ``usage`` is over, if any."""
+        limits = {
+            "steps": self.max_steps,
+            "tool_calls": self.max_tool_calls,
+            "cost": self.max_cost,
+            "tokens": self.max_tokens,
+        }
+        for what, limit in limits.items():
+            if limit is not None and usage.get(what, 0) > limit:
+                return f"{what} {usage[what]:g} > {limit:g}"
+        return None
+
+
+@dataclass(frozen=True)
 class WorkflowDef:
     name: str
     fn: Callable[..., Any]
     version: str
+    budget: Budget = field(default_factory=Budget)
 
 
 @dataclass(frozen=True)
@@ -77,6 +107,7 @@ class ToolDef:
     timeout: timedelta | None = None
     requires_approval: bool = False
     approval_ttl: timedelta = timedelta(hours=24)
+    authorize: Callable[[Operation], Any] | None = None
 
     @property
     def can_reconcile(self) -> bool:

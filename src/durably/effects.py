@@ -114,6 +114,7 @@ class Effect:
         self.args = args
         self.kwargs = kwargs
         self.step_id, self.position = ctx.allocate(tool.name, explicit_step_id)
+        ctx.count("tool_calls")
         self.arguments = bind_arguments(tool.signature, tool.name, args, kwargs)
         self.input_hash = input_hash(tool.name, tool.version, self.arguments)
         run = ctx.run
@@ -147,6 +148,8 @@ class Effect:
             OperationStatus.COMPENSATED,
         ):
             await self.ctx.boundary()
+            if self.op is None:
+                await self.ctx.check_budget()
         while True:
             op = self.op
             action = decide(
@@ -474,6 +477,10 @@ class Effect:
             done.set_result(None)
 
     async def _call_and_record(self) -> None:
+        refusal = await self._authorize()
+        if refusal is not None:
+            await self._record_failure(refusal)
+            return
         token = context._key.set(self.key)
         try:
             call = invoke(self.tool.fn, *self.args, **self.kwargs)
@@ -538,6 +545,21 @@ class Effect:
             run=self._back_to_running(),
             settle=result_json,
         )
+
+    async def _authorize(self) -> ToolError | None:
+        """Ask ``authorize=`` right before the call: a refusal is a PERMISSION failure."""
+        if self.tool.authorize is None:
+            return None
+        try:
+            allowed = await invoke(self.tool.authorize, self._operation())
+        except Exception as exc:
+            return ToolError(f"authorize raised {exc!r}", category=FailureCategory.PERMISSION)
+        if not allowed:
+            return ToolError(
+                f"{self.tool.name} at {self.step_id} is not authorised now",
+                category=FailureCategory.PERMISSION,
+            )
+        return None
 
     async def _record_failure(self, exc: BaseException) -> None:
         category = classify(self.tool, exc)

@@ -20,6 +20,7 @@
     ├── WaitTimeout                 wait_for_event's timeout passed; raised inside the workflow
     ├── ApprovalRejected            a person rejected the approval; raised inside the workflow
     ├── ApprovalExpired             an approval was decided or used after its expiry
+    ├── BudgetExceeded              a run went over its budget (the run pauses with it)
     ├── ToolError                   raised BY a tool to state the failure category
     └── OutcomeUnknown              raised BY a tool: the request may have taken effect
 
@@ -156,6 +157,10 @@ class ApprovalRejected(DurablyError):
 
 class ApprovalExpired(DurablyError):
     """The approval expired before it was decided or used; a new one is requested."""
+
+
+class BudgetExceeded(DurablyError):
+    """A run went over its workflow's budget; recorded as the reason its run paused."""
 
 
 class ToolError(DurablyError):

@@ -19,6 +19,7 @@ from durably import context, faults
 from durably.checkpoint import JournalState, SettledResult, verify_journal
 from durably.definitions import StepDef, bind_arguments, invoke
 from durably.errors import (
+    BudgetExceeded,
     CheckpointCorrupted,
     DurablyError,
     IdempotencyConflict,
@@ -113,6 +114,8 @@ class RunContext:
     """0: no; 1: cancel at the next boundary; 2: cancel and compensate."""
     cancelling: bool = False
     approvals: dict[str, list[Approval]] = field(default_factory=dict)
+    usage: dict[str, float] = field(default_factory=dict)
+    """Steps, tool calls, tokens and cost so far (recomputed by every replay)."""
     """The run's approval requests by step id, oldest first."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this run's commits, so that checkpoints follow the order results commit in
@@ -248,7 +251,27 @@ class RunContext:
             )
 
     def budget(self) -> dict[str, Any]:
-        return {"steps": self.counters.total(), "positions": self.positions}
+        return dict(self.usage)
+
+    def count(self, what: str, amount: float = 1) -> None:
+        self.usage[what] = self.usage.get(what, 0) + amount
+
+    async def check_budget(self) -> None:
+        """Pause the run (``budget_exceeded``) if its usage is over its workflow's budget."""
+        over = self.app.workflow_def(self.run.workflow).budget.exceeded(self.usage)
+        if over is None:
+            return
+        await self.quiesce()
+        error = BudgetExceeded(
+            f"run {self.run.run_id} is over its budget ({over}); raise the workflow's budget "
+            "and resume it, or cancel it",
+            run_id=self.run.run_id,
+        )
+        await self.commit(
+            lambda: _ending(RunStatus.PAUSED, PauseReason.BUDGET_EXCEEDED, error, self)
+        )
+        self.stopped = True
+        raise Suspend
 
 
 def call_step(
@@ -261,6 +284,7 @@ def call_step(
     """Allocate the call's step id now (creation order is the deterministic order, also
     for calls gathered in parallel) and return the coroutine that runs or replays it."""
     step_id, position = ctx.allocate(sdef.name, explicit)
+    ctx.count("steps")
     arguments = bind_arguments(sdef.signature, sdef.name, args, kwargs)
     ih = input_hash(sdef.name, sdef.version, arguments)
     ctx.replayed(step_id, position, "step", sdef.name, ih)
@@ -282,6 +306,7 @@ async def _run_step(
     if recorded is not None and recorded.status is StepStatus.FAILED:
         raise _step_failed(ctx, step_id, recorded.error or {})
     await ctx.boundary()
+    await ctx.check_budget()
     attempt = 0
     while True:
         attempt += 1

@@ -5,6 +5,18 @@ from __future__ import annotations
 from durably import context, effects
 
 
+async def charge(*, tokens: int = 0, cost: float = 0.0) -> None:
+    """Report what the run spent (a model call's tokens, an API's cost) against its budget.
+
+    Call it with recorded values (a step's output), so a replay charges the same amounts;
+    over the budget the run pauses here with reason ``budget_exceeded``.
+    """
+    ctx = context.active()
+    ctx.count("tokens", tokens)
+    ctx.count("cost", cost)
+    await ctx.check_budget()
+
+
 async def compensate(*step_ids: str) -> list[str]:
     """Undo succeeded effects with their tools' ``compensate=`` functions, newest first.
 
