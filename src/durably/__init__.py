@@ -46,6 +46,7 @@ from durably.status import (
     StepStatus,
 )
 from durably.store.base import Approval, Event
+from durably.subscription import Subscription
 from durably.waits import approval, sleep, wait_for_event
 from durably.workflow_api import charge, compensate
 
@@ -86,6 +87,7 @@ __all__ = [
     "StepFailed",
     "StepStatus",
     "StoreUnavailable",
+    "Subscription",
     "ToolError",
     "WaitTimeout",
     "approval",

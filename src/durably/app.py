@@ -54,6 +54,7 @@ from durably.store.base import (
     Store,
     Transition,
 )
+from durably.subscription import Subscription
 from durably.worker import Worker, worker_id
 
 P = ParamSpec("P")
@@ -877,6 +878,18 @@ class App:
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
         """The run's checkpoints, newest first, each with its checksum and whether it holds."""
         return self._loop.call(self.checkpoints_async(run_id))
+
+    def subscribe(
+        self, handler: Callable[[Event], Any], *, consumer: str, batch: int = 100
+    ) -> Subscription:
+        """A subscription handing ``consumer`` every event, in order within each run, each
+        acknowledged once in the consumer's inbox. Run it with ``.run()``.
+
+        Example::
+
+            app.subscribe(lambda e: audit.write(e.event_id, e.type), consumer="audit").run()
+        """
+        return Subscription(self, handler, consumer=consumer, batch=batch)
 
     def worker(self, *, concurrency: int = 1, lease_ttl: timedelta | None = None) -> Any:
         """A worker that claims and executes this app's runnable runs."""

@@ -1,5 +1,5 @@
-"""The ``durably`` command line: start runs, run workers, inspect runs, send them events,
-cancel them and settle them by hand.
+"""The ``durably`` command line: start runs, run workers, inspect runs, decide their
+approvals, send them events, cancel them and settle them by hand.
 
 The app comes from ``--app module:attr`` (or ``$DURABLY_APP``), the database from ``--db``
 (or ``$DURABLY_DATABASE_URL``), else the app's own URL. ``--json`` output is JSON on stdout
@@ -14,6 +14,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import uuid
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
@@ -25,9 +26,11 @@ import click
 from durably.app import App, Run
 from durably.errors import DurablyError
 from durably.status import RunStatus
+from durably.store.base import Approval
 
 T = TypeVar("T")
 Outcome = Literal["succeeded", "not_executed", "failed"]
+Decision = Literal["approved", "rejected"]
 
 
 class _Failure(click.ClickException):
@@ -117,6 +120,25 @@ def _time(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
+def _span(seconds: float) -> str:
+    """``2d 3h``, ``5h 12m``, ``4m 10s``, ``9s``: a duration for people, two units at most."""
+    s = int(seconds)
+    days, hours, minutes = s // 86400, s % 86400 // 3600, s % 3600 // 60
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {s % 60}s"
+    return f"{s}s"
+
+
+def _expiry(ts: float) -> str:
+    """The absolute time and how far off it is, judged by this machine's clock."""
+    left = ts - time.time()
+    return f"{_time(ts)} ({'in ' + _span(left) if left > 0 else 'passed'})"
+
+
 def _run_json(run: Run) -> dict[str, Any]:
     return {**dataclasses.asdict(run), "status": run.status.value}
 
@@ -135,6 +157,43 @@ def _error_text(error: dict[str, Any] | None) -> str:
     if not error:
         return "-"
     return f"{error.get('type', 'Error')}: {error.get('message', '')}"
+
+
+def _labelled(label: str, value: str) -> None:
+    click.echo(f"{label:<10} {value}")
+
+
+def _approval_subject(approval: Approval) -> tuple[str, str]:
+    """What was approved: a tool call as ``tool(arg=value, ...)``, or a plan's payload."""
+    payload = approval.payload
+    if approval.kind == "tool" and isinstance(payload, dict):
+        arguments = payload.get("arguments")
+        if isinstance(arguments, dict):
+            shown = ", ".join(
+                f"{name}={json.dumps(value, ensure_ascii=False)}"
+                for name, value in arguments.items()
+            )
+            return "tool call", f"{payload.get('tool', approval.name)}({shown})"
+    return "plan", f"{approval.name}: {json.dumps(payload, ensure_ascii=False)}"
+
+
+def _echo_decision(approval: Approval, as_json: bool) -> None:
+    if as_json:
+        _echo_json(dataclasses.asdict(approval))
+        return
+    _labelled(
+        approval.status,
+        f"approval {approval.approval_id} of run {approval.run_id}, step {approval.step_id}",
+    )
+    _labelled(*_approval_subject(approval))
+    _labelled("expires", _expiry(approval.expires_at))
+    by = approval.decided_by or "-"
+    _labelled("by", f"{by}: {approval.comment}" if approval.comment else by)
+    if approval.status == "approved":
+        nxt = "a worker continues the run; the approved call may run once, before it expires"
+    else:
+        nxt = "a worker continues the run; the workflow sees ApprovalRejected"
+    _labelled("next", f"{nxt} (`durably worker`, or `durably resume {approval.run_id}`)")
 
 
 def _echo_run(run: Run, as_json: bool) -> None:
@@ -281,6 +340,12 @@ def show_run(config: _Config, run_id: str, as_json: bool) -> None:
         click.echo(f"result    {json.dumps(doc['result'], ensure_ascii=False)}")
     if doc["error"]:
         click.echo(f"error     {_error_text(doc['error'])}")
+    waiting = doc["waiting_for"] or {}
+    if doc["status"] == RunStatus.WAITING_APPROVAL.value and waiting.get("approval_id"):
+        click.echo(
+            f"waiting   approval {waiting['approval_id']}: `durably approve {doc['run_id']}` "
+            f"or `durably reject {doc['run_id']}`"
+        )
     click.echo("\nsteps:")
     steps = [
         [s["step_id"], s["kind"], s["status"], str(s["attempts"]), _error_text(s["error"])]
@@ -299,6 +364,75 @@ def show_run(config: _Config, run_id: str, as_json: bool) -> None:
         for e in doc["effects"]
     ]
     _table(["STEP", "TOOL", "STATUS", "KEY", "EXTERNAL ID"], effects)
+    click.echo("\napprovals:")
+    # How long is left matters only while the approval can still be decided or used.
+    live = ("requested", "approved")
+    approvals = [
+        [
+            a["approval_id"],
+            a["step_id"],
+            a["status"],
+            (_expiry if a["status"] in live else _time)(a["expires_at"]),
+            a["decided_by"],
+        ]
+        for a in doc["approvals"]
+    ]
+    _table(["APPROVAL", "STEP", "STATUS", "EXPIRES", "DECIDED BY"], approvals)
+
+
+def _operator() -> str:
+    return os.environ.get("USER") or "operator"
+
+
+_OPERATOR_DEFAULT = "$USER, else operator"
+
+
+def _decision_command(decision: Decision) -> Callable[..., None]:
+    """``approve`` or ``reject``: one command each, the same arguments and output."""
+
+    @click.argument("run_id")
+    @click.argument("approval_id", required=False)
+    @click.option(
+        "--by",
+        default=_operator,
+        show_default=_OPERATOR_DEFAULT,
+        help="Who decided (recorded with the approval and in the run's history).",
+    )
+    @click.option("--comment", metavar="TEXT", help="Why; recorded with the decision.")
+    @click.option("--json", "as_json", is_flag=True, help="Print the decided approval as JSON.")
+    @pass_config
+    def command(
+        config: _Config,
+        run_id: str,
+        approval_id: str | None,
+        by: str,
+        comment: str | None,
+        as_json: bool,
+    ) -> None:
+        app = config.app()
+        approval = _run(
+            app, lambda: app.decide_async(run_id, approval_id, decision, by=by, comment=comment)
+        )
+        _echo_decision(approval, as_json)
+
+    return command
+
+
+approve = cli.command(
+    "approve",
+    help="Approve the pending approval APPROVAL_ID of run RUN_ID (it may be omitted when the "
+    "run has exactly one pending). The approval is usable once, by exactly the call or plan "
+    "it was requested for, until it expires; a worker then continues the run. A decision is "
+    "recorded once: deciding again is an error.",
+)(_decision_command("approved"))
+
+reject = cli.command(
+    "reject",
+    help="Reject the pending approval APPROVAL_ID of run RUN_ID (it may be omitted when the "
+    "run has exactly one pending). The call does not run: when a worker continues the run, "
+    "the workflow sees ApprovalRejected. A decision is recorded once: deciding again is an "
+    "error.",
+)(_decision_command("rejected"))
 
 
 @cli.command()
@@ -315,8 +449,8 @@ def show_run(config: _Config, run_id: str, as_json: bool) -> None:
 )
 @click.option(
     "--by",
-    default=lambda: os.environ.get("USER") or "operator",
-    show_default="$USER, else operator",
+    default=_operator,
+    show_default=_OPERATOR_DEFAULT,
     help="Who resolved it (recorded in the run's history).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")

@@ -417,6 +417,14 @@ class Store(abc.ABC):
         approval was already decided, or several are pending and none was named.
         """
 
+    @abc.abstractmethod
+    async def undelivered(self, consumer: str, limit: int) -> list[Event]:
+        """Events ``consumer`` has not acknowledged, oldest first, in order within a run."""
+
+    @abc.abstractmethod
+    async def acknowledge(self, consumer: str, event_id: str) -> bool:
+        """Record that ``consumer`` processed the event (False: it already had)."""
+
     async def wait_for_work(self, timeout_s: float) -> bool:
         """Sleep until a run may have become runnable (True) or ``timeout_s`` passed (False).
 
@@ -563,3 +571,15 @@ def pending_approval(run_id: str, approval_id: str | None, approvals: list[Appro
             f"run {run_id} has {len(pending)} pending approvals ({ids}); name one", run_id=run_id
         )
     return pending[0]
+
+
+def event_from_row(r: Row) -> Event:
+    return Event(
+        run_id=r["run_id"],
+        sequence=r["sequence"],
+        event_id=f"{r['run_id']}:{r['sequence']}",
+        type=r["type"],
+        step_id=r["step_id"],
+        payload=loads(r["payload_json"]),
+        created_at=r["created_at"],
+    )

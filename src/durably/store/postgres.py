@@ -48,6 +48,7 @@ from durably.store.base import (
     Transition,
     approval_from_row,
     checkpoint_from_row,
+    event_from_row,
     lease_lost,
     loads,
     operation_from_row,
@@ -600,6 +601,24 @@ class PostgresStore(Store):
 
         return await self._transact(work, idempotent=True)
 
+    async def undelivered(self, consumer: str, limit: int) -> list[Event]:
+        rows = await self._read(
+            "SELECT * FROM durably_events e WHERE NOT EXISTS (SELECT 1 FROM durably_inbox i "
+            "WHERE i.consumer = %s AND i.event_id = e.run_id || ':' || e.sequence) "
+            "ORDER BY e.created_at, e.run_id, e.sequence LIMIT %s",
+            (consumer, limit),
+        )
+        return [event_from_row(r) for r in rows]
+
+    async def acknowledge(self, consumer: str, event_id: str) -> bool:
+        rows = await self._read(
+            "INSERT INTO durably_inbox (consumer, event_id, received_at) "
+            f"VALUES (%s, %s, {_NOW}) ON CONFLICT (consumer, event_id) DO NOTHING "
+            "RETURNING event_id",
+            (consumer, event_id),
+        )
+        return bool(rows)
+
     # -- reads --------------------------------------------------------------------------
 
     async def get_run(self, run_id: str) -> RunRecord | None:
@@ -669,18 +688,7 @@ class PostgresStore(Store):
             "SELECT * FROM durably_events WHERE run_id = %s AND sequence > %s ORDER BY sequence",
             (run_id, after),
         )
-        return [
-            Event(
-                run_id=r["run_id"],
-                sequence=r["sequence"],
-                event_id=f"{r['run_id']}:{r['sequence']}",
-                type=r["type"],
-                step_id=r["step_id"],
-                payload=loads(r["payload_json"]),
-                created_at=r["created_at"],
-            )
-            for r in rows
-        ]
+        return [event_from_row(r) for r in rows]
 
     async def checkpoints(self, run_id: str) -> list[StoredCheckpoint]:
         rows = await self._read(

@@ -41,6 +41,7 @@ from durably.store.base import (
     Transition,
     approval_from_row,
     checkpoint_from_row,
+    event_from_row,
     lease_lost,
     loads,
     operation_from_row,
@@ -641,6 +642,26 @@ class SQLiteStore(Store):
             ).fetchone()
         return run_from_row(row)
 
+    async def undelivered(self, consumer: str, limit: int) -> list[Event]:
+        with self._reading() as db:
+            rows = db.execute(
+                "SELECT * FROM durably_events e WHERE NOT EXISTS (SELECT 1 FROM durably_inbox i "
+                "WHERE i.consumer = ? AND i.event_id = e.run_id || ':' || e.sequence) "
+                "ORDER BY e.created_at, e.run_id, e.sequence LIMIT ?",
+                (consumer, limit),
+            ).fetchall()
+        return [event_from_row(r) for r in rows]
+
+    async def acknowledge(self, consumer: str, event_id: str) -> bool:
+        with self._tx() as db:
+            return bool(
+                db.execute(
+                    "INSERT INTO durably_inbox (consumer, event_id, received_at) VALUES (?, ?, ?) "
+                    "ON CONFLICT (consumer, event_id) DO NOTHING",
+                    (consumer, event_id, time.time()),
+                ).rowcount
+            )
+
     # -- reads --------------------------------------------------------------------------
 
     async def get_run(self, run_id: str) -> RunRecord | None:
@@ -711,18 +732,7 @@ class SQLiteStore(Store):
                 "SELECT * FROM durably_events WHERE run_id = ? AND sequence > ? ORDER BY sequence",
                 (run_id, after),
             ).fetchall()
-        return [
-            Event(
-                run_id=r["run_id"],
-                sequence=r["sequence"],
-                event_id=f"{r['run_id']}:{r['sequence']}",
-                type=r["type"],
-                step_id=r["step_id"],
-                payload=loads(r["payload_json"]),
-                created_at=r["created_at"],
-            )
-            for r in rows
-        ]
+        return [event_from_row(r) for r in rows]
 
     async def checkpoints(self, run_id: str) -> list[StoredCheckpoint]:
         with self._reading() as db:
