@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import sqlite3
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,26 @@ APP_SOURCE = textwrap.dedent(
     async def approval() -> object:
         payload = await durably.wait_for_event("approved", timeout=60)
         return payload
+
+
+    @app.tool(idempotent=True, requires_approval=True)
+    def place_order(customer: str, amount: int) -> dict:
+        return {"customer": customer, "amount": amount, "key": durably.idempotency_key()}
+
+
+    @app.workflow()
+    async def ordering(customer: str, amount: int) -> dict:
+        try:
+            order = await place_order(customer=customer, amount=amount)
+        except durably.ApprovalRejected as exc:
+            return {"rejected_by": exc.by, "comment": exc.comment}
+        return {"order": order}
+
+
+    @app.workflow()
+    async def campaign(audience: int) -> dict:
+        decision = await durably.approval("send_campaign", {"audience": audience})
+        return {"sent_to": audience, "by": decision["by"]}
 
 
     not_an_app = 42
@@ -354,6 +377,198 @@ def test_cancel_of_a_waiting_run(project: Path) -> None:
     assert durably("event", "a-1", "approved", "--event-id", "e1").exit_code == 1
 
 
+def waiting_for_approval(run_id: str) -> dict[str, Any]:
+    """Run the queued runs, then return ``run_id``'s one pending approval."""
+    ok("worker", "--until-idle")
+    doc = ok_json("runs", "show", run_id)
+    assert doc["status"] == "waiting_approval", doc
+    [pending] = [a for a in doc["approvals"] if a["status"] == "requested"]
+    assert doc["waiting_for"]["approval_id"] == pending["approval_id"]
+    return dict(pending)
+
+
+def lines_of(text: str) -> dict[str, str]:
+    """``label   value`` lines as a dict (the human output of approve and reject)."""
+    pairs = (re.split(r"\s{2,}", line, maxsplit=1) for line in text.splitlines() if line)
+    return {label: value for label, value in pairs}
+
+
+def shown_time(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def test_approve_lets_the_tool_call_run_once(project: Path) -> None:
+    ok("start", "ordering", "--input", '{"customer": "c-1", "amount": 30}', "--run-id", "o-1")
+    pending = waiting_for_approval("o-1")
+    assert pending["step_id"] == "place_order#1"
+    assert pending["kind"] == "tool"
+    assert pending["payload"] == {
+        "tool": "place_order",
+        "arguments": {"customer": "c-1", "amount": 30},
+    }
+    # Nothing ran before the approval.
+    assert ok_json("runs", "show", "o-1")["effects"] == []
+
+    text = ok("runs", "show", "o-1")
+    assert f"waiting   approval {pending['approval_id']}: `durably approve o-1`" in text
+    approval_rows = [line.split() for line in text.split("approvals:")[1].splitlines() if line]
+    assert approval_rows[0] == ["APPROVAL", "STEP", "STATUS", "EXPIRES", "DECIDED", "BY"]
+    assert approval_rows[1][:3] == [pending["approval_id"], "place_order#1", "requested"]
+    assert "(in 23h" in text
+
+    shown = lines_of(ok("approve", "o-1", "--by", "alice", "--comment", "within budget"))
+    assert shown["approved"] == (
+        f"approval {pending['approval_id']} of run o-1, step place_order#1"
+    )
+    assert shown["tool call"] == 'place_order(amount=30, customer="c-1")'
+    assert shown["expires"].startswith(f"{shown_time(pending['expires_at'])} (in 23h ")
+    assert shown["by"] == "alice: within budget"
+    assert ok_json("runs", "show", "o-1")["status"] == "queued"
+
+    ok("worker", "--until-idle")
+    doc = ok_json("runs", "show", "o-1")
+    assert doc["status"] == "completed"
+    [effect] = doc["effects"]
+    assert effect["status"] == "succeeded"
+    assert doc["result"]["order"] == {
+        "customer": "c-1",
+        "amount": 30,
+        "key": effect["idempotency_key"],
+    }
+    [used] = doc["approvals"]
+    assert (used["status"], used["decided_by"], used["comment"]) == (
+        "consumed",
+        "alice",
+        "within budget",
+    )
+    assert "consumed" in ok("runs", "show", "o-1").split("approvals:")[1]
+
+    # A decision is recorded once; deciding again, either way, is an error.
+    for again in (["approve", "o-1"], ["reject", "o-1"], ["approve", "o-1", "--json"]):
+        result = durably(*again)
+        assert result.exit_code == 1, again
+        assert result.stdout == ""
+        assert result.stderr.startswith("error: run o-1 is completed (final)")
+    named = durably("reject", "o-1", pending["approval_id"])
+    assert named.exit_code == 1
+    assert named.stderr.startswith("error: run o-1 is completed (final)")
+    assert "Traceback" not in named.output
+    assert ok_json("runs", "show", "o-1")["status"] == "completed"
+
+
+def test_approve_json_is_the_approval(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("USER", "carol")
+    ok("start", "ordering", "--input", '{"customer": "c-2", "amount": 5}', "--run-id", "o-2")
+    pending = waiting_for_approval("o-2")
+
+    decided = ok_json("approve", "o-2", pending["approval_id"])
+    assert {
+        k: decided[k]
+        for k in ("approval_id", "run_id", "step_id", "kind", "name", "status", "payload")
+    } == {
+        "approval_id": pending["approval_id"],
+        "run_id": "o-2",
+        "step_id": "place_order#1",
+        "kind": "tool",
+        "name": "place_order",
+        "status": "approved",
+        "payload": {"tool": "place_order", "arguments": {"customer": "c-2", "amount": 5}},
+    }
+    assert decided["expires_at"] == pending["expires_at"]
+    # --by defaults to $USER, as for resolve.
+    assert decided["decided_by"] == "carol"
+    assert decided["comment"] is None
+    assert decided["idempotency_key"] == pending["idempotency_key"]
+
+
+def test_reject_is_handled_by_the_workflow(project: Path) -> None:
+    ok("start", "ordering", "--input", '{"customer": "c-3", "amount": 900}', "--run-id", "o-3")
+    pending = waiting_for_approval("o-3")
+
+    rejected = ok_json("reject", "o-3", "--by", "bob", "--comment", "too much")
+    assert rejected["approval_id"] == pending["approval_id"]
+    assert rejected["status"] == "rejected"
+    assert (rejected["decided_by"], rejected["comment"]) == ("bob", "too much")
+
+    ok("worker", "--until-idle")
+    doc = ok_json("runs", "show", "o-3")
+    assert doc["status"] == "completed"
+    assert doc["result"] == {"rejected_by": "bob", "comment": "too much"}
+    assert doc["effects"] == []
+    assert [a["status"] for a in doc["approvals"]] == ["rejected"]
+
+    again = durably("approve", "o-3", pending["approval_id"])
+    assert again.exit_code == 1
+    assert "o-3 is completed (final)" in again.stderr
+
+
+def test_reject_in_text_mode(project: Path) -> None:
+    ok("start", "ordering", "--input", '{"customer": "c-4", "amount": 1}', "--run-id", "o-4")
+    pending = waiting_for_approval("o-4")
+    shown = lines_of(ok("reject", "o-4", "--by", "bob"))
+    assert shown["rejected"] == f"approval {pending['approval_id']} of run o-4, step place_order#1"
+    assert shown["by"] == "bob"
+    assert "ApprovalRejected" in shown["next"]
+
+
+def test_plan_approval_shows_its_payload(project: Path) -> None:
+    ok("start", "campaign", "--input", '{"audience": 12000}', "--run-id", "p-1")
+    pending = waiting_for_approval("p-1")
+    assert pending["kind"] == "plan"
+    assert pending["step_id"] == "durably.approval:send_campaign#1"
+
+    shown = lines_of(ok("approve", "p-1", pending["approval_id"], "--by", "dana"))
+    assert shown["plan"] == 'send_campaign: {"audience": 12000}'
+    ok("worker", "--until-idle")
+    doc = ok_json("runs", "show", "p-1")
+    assert doc["status"] == "completed"
+    assert doc["result"] == {"sent_to": 12000, "by": "dana"}
+    assert [a["status"] for a in doc["approvals"]] == ["consumed"]
+
+
+def test_an_expired_approval_cannot_be_approved_and_is_requested_again(project: Path) -> None:
+    ok("start", "ordering", "--input", '{"customer": "c-5", "amount": 2}', "--run-id", "o-5")
+    pending = waiting_for_approval("o-5")
+    with sqlite3.connect(project / "app.db") as db:
+        db.execute("UPDATE durably_approvals SET expires_at = 1")
+
+    late = durably("approve", "o-5")
+    assert late.exit_code == 1
+    assert late.stdout == ""
+    assert late.stderr.startswith(f"error: approval {pending['approval_id']} of run o-5 expired")
+    doc = ok_json("runs", "show", "o-5")
+    assert [a["status"] for a in doc["approvals"]] == ["expired"]
+    assert doc["effects"] == []
+
+    # The run asks again, with a fresh expiry; the new approval lets the call run.
+    fresh = waiting_for_approval("o-5")
+    assert fresh["approval_id"] != pending["approval_id"]
+    assert fresh["idempotency_key"] == pending["idempotency_key"]
+    ok("approve", "o-5")
+    ok("worker", "--until-idle")
+    doc = ok_json("runs", "show", "o-5")
+    assert doc["status"] == "completed"
+    assert [a["status"] for a in doc["approvals"]] == ["expired", "consumed"]
+
+
+def test_decisions_on_runs_without_that_approval(project: Path) -> None:
+    ok("start", "summing", "--input", "[1]", "--run-id", "s-1")
+    ok("worker", "--until-idle")
+    none = durably("approve", "s-1")
+    assert none.exit_code == 1
+    assert none.stderr.startswith("error: run s-1 is completed (final)")
+
+    ok("start", "ordering", "--input", '{"customer": "c-6", "amount": 3}', "--run-id", "o-6")
+    waiting_for_approval("o-6")
+    wrong = durably("approve", "o-6", "nope")
+    assert wrong.exit_code == 1
+    assert wrong.stderr == "error: run o-6 has no approval 'nope'\n"
+    missing = durably("reject", "no-such-run")
+    assert missing.exit_code == 1
+    assert missing.stderr.startswith("error: no run 'no-such-run'")
+    assert ok_json("runs", "show", "o-6")["status"] == "waiting_approval"
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -409,6 +624,8 @@ def test_every_command_has_help(project: Path) -> None:
         ["runs", "list"],
         ["runs", "show"],
         ["resolve"],
+        ["approve"],
+        ["reject"],
         ["resume"],
         ["event"],
         ["cancel"],

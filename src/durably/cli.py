@@ -325,7 +325,7 @@ def list_runs(
 @click.option("--json", "as_json", is_flag=True, help="Print the run document as JSON.")
 @pass_config
 def show_run(config: _Config, run_id: str, as_json: bool) -> None:
-    """Show a run with its steps and effects."""
+    """Show a run with its steps, effects and approvals."""
     app = config.app()
     doc = _run(app, lambda: app.describe_async(run_id))
     if as_json:

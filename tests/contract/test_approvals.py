@@ -187,3 +187,12 @@ def test_approve_needs_a_pending_approval(make_app: MakeApp) -> None:
         app.approve(run.run_id)
     with pytest.raises(durably.RunNotFound):
         app.approve("no-such-run")
+
+
+def test_no_decision_on_a_finished_run(mailer: Any) -> None:
+    app, sent, _ = mailer
+    run = app.run("report")
+    app.cancel(run.run_id)
+    with pytest.raises(durably.InvalidTransition, match="final"):
+        app.approve(run.run_id, by="ana")
+    assert sent == Counter()

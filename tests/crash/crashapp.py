@@ -11,6 +11,9 @@ different kind of external service:
 * ``classified_tool``: like ``plain_tool`` but classifies the shop's 503 (answered before any
   effect is written) as ``TRANSIENT_BEFORE_SEND``.
 
+* ``approved_tool``: ``idem_tool`` with ``requires_approval=True``: each call waits for a
+  person's approval bound to it before it may POST /orders (workflow ``approved_once``).
+
 Workflows ``<kind>_once`` run a step, the tool once, a step, and return the tool's result;
 ``<kind>_twice`` call the tool twice (campaigns ``<campaign>-1`` and ``<campaign>-2``).
 Configuration: ``$DURABLY_DATABASE_URL``, ``$SHOP_URL``, ``$SHOP_TIMEOUT`` (the tools' HTTP
@@ -66,14 +69,23 @@ def finish(effect: dict[str, Any]) -> dict[str, Any]:
 # -- tools ------------------------------------------------------------------------------
 
 
-@app.tool(idempotent=True, external_id=lambda r: r["order_id"])
-def idem_tool(customer: str, campaign: str) -> dict[str, Any]:
+def _place_order(customer: str, campaign: str) -> dict[str, Any]:
     return post_json(
         f"{_shop()}/orders",
         order_body(customer, campaign),
         idempotency_key=durably.idempotency_key(),
         timeout=_timeout(),
     )
+
+
+@app.tool(idempotent=True, external_id=lambda r: r["order_id"])
+def idem_tool(customer: str, campaign: str) -> dict[str, Any]:
+    return _place_order(customer, campaign)
+
+
+@app.tool(idempotent=True, requires_approval=True, external_id=lambda r: r["order_id"])
+def approved_tool(customer: str, campaign: str) -> dict[str, Any]:
+    return _place_order(customer, campaign)
 
 
 def find_coupon(op: durably.Operation) -> durably.Reconciliation:
@@ -149,3 +161,4 @@ def _twice(tool: durably.Durable[..., dict[str, Any]]) -> Callable[..., Awaitabl
 for _kind, _tool in TOOLS.items():
     app.workflow(name=f"{_kind}_once")(_once(_tool))
     app.workflow(name=f"{_kind}_twice")(_twice(_tool))
+app.workflow(name="approved_once")(_once(approved_tool))

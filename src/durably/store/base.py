@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from durably.checkpoint import CheckpointDraft
-from durably.errors import InvalidTransition, LeaseLostError
+from durably.errors import InvalidTransition, LeaseLostError, RunNotFound
 from durably.status import OperationStatus, RunStatus, StepStatus
 
 RUNNABLE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RECONCILING)
@@ -564,7 +564,13 @@ def pending_approval(run_id: str, approval_id: str | None, approvals: list[Appro
             run_id=run_id,
         )
     if not pending:
-        raise InvalidTransition(f"run {run_id} has no pending approval", run_id=run_id)
+        latest = approvals[-1] if approvals else None
+        detail = ""
+        if latest is not None:
+            detail = f"; its latest approval {latest.approval_id} is {latest.status}"
+            if latest.decided_by:
+                detail += f" (by {latest.decided_by})"
+        raise InvalidTransition(f"run {run_id} has no pending approval{detail}", run_id=run_id)
     if len(pending) > 1:
         ids = ", ".join(a.approval_id for a in pending)
         raise InvalidTransition(
@@ -583,3 +589,15 @@ def event_from_row(r: Row) -> Event:
         payload=loads(r["payload_json"]),
         created_at=r["created_at"],
     )
+
+
+def check_open(run_id: str, run: Row | None) -> None:
+    """Raise unless the run exists and is not finished."""
+    if run is None:
+        raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+    if RunStatus(run["status"]).is_final:
+        raise InvalidTransition(
+            f"run {run_id} is {run['status']} (final); nothing more can be delivered to it or "
+            "decided for it",
+            run_id=run_id,
+        )

@@ -27,7 +27,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from durably.errors import ApprovalExpired, InvalidTransition, RunNotFound, StoreUnavailable
+from durably.errors import ApprovalExpired, InvalidTransition, StoreUnavailable
 from durably.keys import plain_json
 from durably.status import RunStatus
 from durably.store.base import (
@@ -47,6 +47,7 @@ from durably.store.base import (
     StoredCheckpoint,
     Transition,
     approval_from_row,
+    check_open,
     checkpoint_from_row,
     event_from_row,
     lease_lost,
@@ -475,7 +476,7 @@ class PostgresStore(Store):
                     ),
                 ],
             )
-            _check_open(run_id, runs[0] if runs else None)
+            check_open(run_id, runs[0] if runs else None)
             if not inserted:
                 await _finish(db, sent, [])
                 return False
@@ -522,7 +523,7 @@ class PostgresStore(Store):
                 db,
                 [
                     ("BEGIN", ()),
-                    ("SELECT run_id FROM durably_runs WHERE run_id = %s FOR UPDATE", (run_id,)),
+                    ("SELECT status FROM durably_runs WHERE run_id = %s FOR UPDATE", (run_id,)),
                     (
                         "SELECT * FROM durably_approvals WHERE run_id = %s "
                         "AND (%s::text IS NULL OR approval_id = %s) ORDER BY requested_at",
@@ -531,8 +532,7 @@ class PostgresStore(Store):
                     (f"SELECT {_NOW} AS now", ()),
                 ],
             )
-            if not runs:
-                raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+            check_open(run_id, runs[0] if runs else None)
             found = [approval_from_row(r) for r in rows or []]
             target = pending_approval(run_id, approval_id, found)
             expired = target.expires_at <= float(clock[0]["now"]) if clock else False
@@ -579,7 +579,7 @@ class PostgresStore(Store):
                     ("SELECT status FROM durably_runs WHERE run_id = %s FOR UPDATE", (run_id,)),
                 ],
             )
-            _check_open(run_id, runs[0] if runs else None)
+            check_open(run_id, runs[0] if runs else None)
             rows, _, _ = await _finish(
                 db,
                 sent,
@@ -864,16 +864,6 @@ def _second_round(
             )
         )
     return rest
-
-
-def _check_open(run_id: str, run: dict[str, Any] | None) -> None:
-    if run is None:
-        raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
-    if RunStatus(run["status"]).is_final:
-        raise InvalidTransition(
-            f"run {run_id} is {run['status']} (final); nothing can be delivered to it",
-            run_id=run_id,
-        )
 
 
 def _event(

@@ -20,7 +20,6 @@ from durably.errors import (
     ApprovalExpired,
     ConfigurationError,
     InvalidTransition,
-    RunNotFound,
     StoreUnavailable,
 )
 from durably.keys import plain_json
@@ -40,6 +39,7 @@ from durably.store.base import (
     StoredCheckpoint,
     Transition,
     approval_from_row,
+    check_open,
     checkpoint_from_row,
     event_from_row,
     lease_lost,
@@ -561,7 +561,7 @@ class SQLiteStore(Store):
             run = db.execute(
                 "SELECT status, waiting_for_json FROM durably_runs WHERE run_id = ?", (run_id,)
             ).fetchone()
-            _check_open(run_id, run)
+            check_open(run_id, run)
             inserted = db.execute(
                 "INSERT INTO durably_signals (run_id, event_id, name, payload_json, received_at) "
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id, event_id) DO NOTHING",
@@ -593,11 +593,10 @@ class SQLiteStore(Store):
     ) -> tuple[Approval, bool]:
         now = time.time()
         with self._tx() as db:
-            if (
-                db.execute("SELECT 1 FROM durably_runs WHERE run_id = ?", (run_id,)).fetchone()
-                is None
-            ):
-                raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+            run = db.execute(
+                "SELECT status FROM durably_runs WHERE run_id = ?", (run_id,)
+            ).fetchone()
+            check_open(run_id, run)
             rows = db.execute(
                 "SELECT * FROM durably_approvals WHERE run_id = ? "
                 "AND (? IS NULL OR approval_id = ?) ORDER BY requested_at",
@@ -631,7 +630,7 @@ class SQLiteStore(Store):
             run = db.execute(
                 "SELECT status, waiting_for_json FROM durably_runs WHERE run_id = ?", (run_id,)
             ).fetchone()
-            _check_open(run_id, run)
+            check_open(run_id, run)
             row = db.execute(
                 "UPDATE durably_runs SET cancel_requested = ?, state_version = state_version + 1, "
                 "updated_at = ?, status = CASE WHEN status IN ('waiting_external', "
@@ -757,13 +756,3 @@ class SQLiteStore(Store):
                 (*workflows, now),
             ).fetchone()
         return None if row[0] is None else float(row[0])
-
-
-def _check_open(run_id: str, run: Any) -> None:
-    if run is None:
-        raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
-    if RunStatus(run["status"]).is_final:
-        raise InvalidTransition(
-            f"run {run_id} is {run['status']} (final); nothing can be delivered to it",
-            run_id=run_id,
-        )
