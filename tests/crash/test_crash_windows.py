@@ -30,8 +30,8 @@ CAMPAIGN = "spring"
 
 # Which crash points ``<kind>_once`` must reach. The ``effect.*`` points are on every tool's
 # path; ``step.after_record`` and ``checkpoint.after_write`` are on every step's path (one
-# transaction, two names). Nothing requests an approval yet, so ``approval.after_request``
-# is never reached: that process must simply complete.
+# transaction, two names). These workflows request no approval, so ``approval.after_request``
+# is never reached here: that process must simply complete (test_approval_crash.py covers it).
 REACHED = {
     "effect.before_intent": set(KINDS),
     "effect.after_intent": set(KINDS),
