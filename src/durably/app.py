@@ -712,6 +712,7 @@ class App:
         store = await self.open()
         approval, expired = await store.decide_approval(run_id, approval_id, decision, by, comment)
         if expired:
+            self.metrics.approval_expired.inc()
             raise ApprovalExpired(
                 f"approval {approval.approval_id} of run {run_id} expired at "
                 f"{approval.expires_at:.0f} (unix) before it was decided; the run will ask "

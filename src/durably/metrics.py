@@ -49,6 +49,11 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0),
             registry=r,
         )
+        self.approval_expired = Counter(
+            "agent_approval_expired_attempt",
+            "Approvals presented after their expiry (for a decision or to authorise an effect).",
+            registry=r,
+        )
         self.replay_blocked = Counter(
             "agent_replay_side_effect_blocked", "Live effects blocked during replay.", registry=r
         )

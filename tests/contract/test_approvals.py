@@ -179,10 +179,10 @@ def test_approve_needs_a_pending_approval(make_app: MakeApp) -> None:
     app = make_app()
 
     @app.workflow()
-    async def nothing() -> int:
-        return 1
+    async def waits() -> Any:
+        return await durably.wait_for_event("go")
 
-    run = app.run(nothing)
+    run = app.run(waits)
     with pytest.raises(durably.InvalidTransition, match="no pending approval"):
         app.approve(run.run_id)
     with pytest.raises(durably.RunNotFound):
