@@ -575,6 +575,51 @@ def migrate(config: _Config) -> None:
         click.echo(f"{url}: schema up to date, nothing to apply")
 
 
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port."
+)
+@pass_config
+def serve(config: _Config, host: str, port: int) -> None:
+    """Serve the console: JSON API (/api, OpenAPI at /docs), signed webhooks
+    (/webhooks/events), web UI (/) and Prometheus metrics (/metrics).
+
+    Mutating requests need `Authorization: Bearer $DURABLY_API_TOKEN`; without a token the
+    server listens on 127.0.0.1 only. Webhooks are verified with the comma-separated
+    secrets in $DURABLY_WEBHOOK_SECRETS (several during a rotation)."""
+    import uvicorn
+
+    from durably.server import create_server
+
+    token = os.environ.get("DURABLY_API_TOKEN") or None
+    secrets = [
+        s.strip() for s in os.environ.get("DURABLY_WEBHOOK_SECRETS", "").split(",") if s.strip()
+    ]
+    if token is None and host not in _LOOPBACK:
+        raise click.UsageError(
+            f"refusing to listen on {host} without an API token: anyone who can reach it could "
+            "approve, resolve and cancel runs. Set $DURABLY_API_TOKEN, or omit --host: without "
+            "a token durably serve listens on 127.0.0.1 only"
+        )
+    app = config.app()
+    if token is None:
+        click.echo(
+            "durably serve: no $DURABLY_API_TOKEN, so listening on 127.0.0.1 only "
+            "(local callers may change runs)",
+            err=True,
+        )
+    if not secrets:
+        click.echo(
+            "durably serve: no $DURABLY_WEBHOOK_SECRETS; /webhooks/events answers 503", err=True
+        )
+    server = create_server(app, api_token=token, webhook_secrets=secrets)
+    uvicorn.run(server, host=host, port=port)
+
+
 @cli.command()
 @click.option(
     "--workdir",

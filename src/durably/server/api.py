@@ -1,0 +1,497 @@
+"""The JSON API: the CLI's operations over HTTP, plus ``/metrics`` and ``/api/health``.
+
+Reads are open; every mutating endpoint needs the bearer token (:func:`require_token`).
+durably's errors become JSON ``{"error": <type>, "message": <what to do>}`` with a 4xx
+status (404 unknown run, 409 wrong state or conflicting input, 422 unusable input), so bad
+input never yields a 5xx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+
+from durably.app import App, Run
+from durably.errors import (
+    ApprovalExpired,
+    ConfigurationError,
+    DurablyError,
+    IdempotencyConflict,
+    InvalidInput,
+    InvalidTransition,
+    NotJSONSerializable,
+    PayloadTooLarge,
+    RunNotFound,
+    StoreUnavailable,
+)
+from durably.server.settings import durably_app, require_token
+from durably.status import RunStatus
+from durably.store.base import Approval, Event
+
+# -- errors -------------------------------------------------------------------------------
+
+_STATUS: tuple[tuple[type[DurablyError], int], ...] = (
+    (RunNotFound, 404),
+    (InvalidTransition, 409),
+    (IdempotencyConflict, 409),
+    (ApprovalExpired, 409),
+    (ConfigurationError, 422),
+    (InvalidInput, 422),
+    (NotJSONSerializable, 422),
+    (PayloadTooLarge, 422),
+    (StoreUnavailable, 503),
+)
+
+
+class ErrorOut(BaseModel):
+    error: str = Field(description="The durably error type, e.g. RunNotFound.")
+    message: str = Field(description="What went wrong and what to do next.")
+
+
+def status_of(exc: DurablyError) -> int:
+    for kind, status in _STATUS:
+        if isinstance(exc, kind):
+            return status
+    return 500
+
+
+def error_response(status: int, error: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": error, "message": message})
+
+
+def durably_error_response(exc: DurablyError) -> JSONResponse:
+    return error_response(status_of(exc), type(exc).__name__, str(exc))
+
+
+class ApiError(Exception):
+    """Raised by an endpoint to answer ``{"error", "message"}`` with ``status``."""
+
+    def __init__(self, status: int, error: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error = error
+        self.message = message
+
+
+class DurablyRoute(APIRoute):
+    """A route whose durably errors (and ApiErrors) become ``{"error", "message"}`` JSON."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except DurablyError as exc:
+                return durably_error_response(exc)
+            except ApiError as exc:
+                return error_response(exc.status, exc.error, exc.message)
+
+        return route
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorOut, "description": "No run with this id."},
+    409: {"model": ErrorOut, "description": "The run is not in a state that allows this."},
+}
+_MUTATING: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    401: {"description": "Missing or wrong bearer token."},
+}
+
+router = APIRouter(route_class=DurablyRoute)
+
+AppDep = Annotated[App, Depends(durably_app)]
+Authorized = [Depends(require_token)]
+
+# -- models -------------------------------------------------------------------------------
+
+
+class RunOut(BaseModel):
+    run_id: str
+    workflow: str
+    status: RunStatus
+    status_reason: str | None
+    result: Any = Field(description="The workflow's return value once completed.")
+    error: dict[str, Any] | None
+    waiting_for: dict[str, Any] | None
+    tenant: str
+    created_at: float
+    updated_at: float
+
+    @classmethod
+    def of(cls, run: Run) -> RunOut:
+        return cls(
+            run_id=run.run_id,
+            workflow=run.workflow,
+            status=run.status,
+            status_reason=run.status_reason,
+            result=run.result,
+            error=run.error,
+            waiting_for=run.waiting_for,
+            tenant=run.tenant,
+            created_at=run.created_at,
+            updated_at=run.updated_at,
+        )
+
+
+class StepOut(BaseModel):
+    step_id: str
+    kind: str
+    name: str
+    status: str
+    attempts: int
+    output: Any
+    error: dict[str, Any] | None
+
+
+class EffectOut(BaseModel):
+    step_id: str
+    tool: str
+    status: str
+    idempotency_key: str
+    input_hash: str
+    arguments: Any
+    external_operation_id: str | None
+    attempt: int
+    failure_category: str | None
+    result: Any
+    error: dict[str, Any] | None
+
+
+class ApprovalSummary(BaseModel):
+    approval_id: str
+    step_id: str
+    kind: str
+    name: str
+    status: str
+    payload: Any
+    input_hash: str
+    idempotency_key: str | None
+    plan_version: int
+    requested_at: float
+    expires_at: float
+    decided_by: str | None
+    comment: str | None
+
+
+class ApprovalOut(ApprovalSummary):
+    run_id: str
+    decided_at: float | None
+    consumed_at: float | None
+
+    @classmethod
+    def of(cls, a: Approval) -> ApprovalOut:
+        return cls(
+            approval_id=a.approval_id,
+            run_id=a.run_id,
+            step_id=a.step_id,
+            kind=a.kind,
+            name=a.name,
+            status=a.status,
+            payload=a.payload,
+            input_hash=a.input_hash,
+            idempotency_key=a.idempotency_key,
+            plan_version=a.plan_version,
+            requested_at=a.requested_at,
+            expires_at=a.expires_at,
+            decided_at=a.decided_at,
+            decided_by=a.decided_by,
+            comment=a.comment,
+            consumed_at=a.consumed_at,
+        )
+
+
+class CheckpointOut(BaseModel):
+    checkpoint_id: Any
+    state_version: int | None
+    status: str | None
+    current_step: str | None
+    last_event_sequence: int | None
+    created_at: float | None
+    checksum: str
+    valid: bool = Field(description="Whether the checkpoint's checksum holds.")
+
+    @classmethod
+    def of(cls, c: dict[str, Any]) -> CheckpointOut:
+        return cls(
+            checkpoint_id=c.get("checkpoint_id"),
+            state_version=c.get("state_version"),
+            status=c.get("status"),
+            current_step=c.get("current_step"),
+            last_event_sequence=c.get("last_event_sequence"),
+            created_at=c.get("created_at"),
+            checksum=str(c.get("checksum", "")),
+            valid=bool(c.get("valid")),
+        )
+
+
+class EventOut(BaseModel):
+    sequence: int
+    event_id: str
+    type: str
+    step_id: str | None
+    payload: dict[str, Any]
+    created_at: float
+
+    @classmethod
+    def of(cls, e: Event) -> EventOut:
+        return cls(
+            sequence=e.sequence,
+            event_id=e.event_id,
+            type=e.type,
+            step_id=e.step_id,
+            payload=e.payload,
+            created_at=e.created_at,
+        )
+
+
+class RunDetail(BaseModel):
+    """``durably runs show --json`` plus the run's checkpoints and event timeline."""
+
+    run_id: str
+    workflow: str
+    workflow_version: str
+    tenant: str
+    status: RunStatus
+    status_reason: str | None
+    result: Any
+    error: dict[str, Any] | None
+    waiting_for: dict[str, Any] | None
+    created_at: float
+    updated_at: float
+    steps: list[StepOut]
+    effects: list[EffectOut]
+    approvals: list[ApprovalSummary]
+    last_event_sequence: int
+    checkpoints: list[CheckpointOut] = Field(description="Newest first.")
+    events: list[EventOut] = Field(description="The run's event log, in sequence order.")
+
+
+_Id = Annotated[str, Field(min_length=1, max_length=200)]
+_Text = Annotated[str, Field(max_length=10_000)]
+
+
+class StartIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    workflow: _Id = Field(description="The workflow's registered name.")
+    input: dict[str, Any] | list[Any] | None = Field(
+        default=None,
+        description="An object gives keyword arguments, an array positional arguments.",
+    )
+    run_id: _Id | None = Field(
+        default=None, description="Starting the same run id again returns the existing run."
+    )
+    tenant: _Id = "default"
+
+
+class DecisionIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    approval_id: _Id | None = Field(
+        default=None, description="May be omitted when the run has exactly one pending."
+    )
+    by: _Id = "operator"
+    comment: _Text | None = None
+
+
+class EventIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: _Id
+    payload: Any = None
+    event_id: _Id | None = Field(
+        default=None,
+        description="The sender's id; sending the same id again changes nothing "
+        "(default: a new id, returned).",
+    )
+
+
+class EventDelivery(BaseModel):
+    run_id: str
+    name: str
+    event_id: str
+    result: Literal["delivered", "duplicate ignored"]
+
+
+class ResolveIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    outcome: Literal["succeeded", "not_executed", "failed"]
+    result: Any = Field(default=None, description="With succeeded: what the tool returned.")
+    by: _Id = "operator"
+
+
+class CancelIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    compensate: bool = Field(
+        default=False, description="First run the compensations of the run's effects."
+    )
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+# -- endpoints ----------------------------------------------------------------------------
+
+_RESERVED_INPUT = frozenset({"workflow", "run_id", "tenant"})
+
+
+@router.get("/api/health", tags=["meta"])
+async def health(app: AppDep) -> Health:
+    """The server is up and its database is open (503 otherwise)."""
+    await app.open()
+    return Health(status="ok")
+
+
+@router.get(
+    "/metrics",
+    tags=["meta"],
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text."}},
+)
+async def metrics(app: AppDep) -> Response:
+    """The app's Prometheus metrics."""
+    return Response(content=app.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/api/runs", tags=["runs"])
+async def list_runs(
+    app: AppDep,
+    status: RunStatus | None = None,
+    workflow: Annotated[str | None, Query(max_length=200)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[RunOut]:
+    """Runs, newest first."""
+    runs = await app.list_runs_async(status=status, workflow=workflow, limit=limit)
+    return [RunOut.of(r) for r in runs]
+
+
+@router.get("/api/runs/{run_id}", tags=["runs"], responses={404: _ERRORS[404]})
+async def get_run(app: AppDep, run_id: str) -> RunDetail:
+    """Everything about a run: steps, effects, approvals, checkpoints and its event log."""
+    doc = await app.describe_async(run_id)
+    checkpoints = await app.checkpoints_async(run_id)
+    events = await app.events_async(run_id)
+    return RunDetail(
+        **doc,
+        checkpoints=[CheckpointOut.of(c) for c in checkpoints],
+        events=[EventOut.of(e) for e in events],
+    )
+
+
+@router.post(
+    "/api/runs",
+    tags=["runs"],
+    status_code=201,
+    dependencies=Authorized,
+    responses={
+        401: _MUTATING[401],
+        409: {"model": ErrorOut, "description": "The run id exists with another input."},
+        422: {"model": ErrorOut, "description": "Unknown workflow or unusable input."},
+    },
+)
+async def start_run(app: AppDep, body: StartIn) -> RunOut:
+    """Queue a run for a worker (idempotent on ``run_id``)."""
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    if isinstance(body.input, dict):
+        kwargs = body.input
+    elif isinstance(body.input, list):
+        args = body.input
+    clash = sorted(_RESERVED_INPUT & kwargs.keys())
+    if clash:
+        raise InvalidInput(
+            f"input keys {clash} cannot be passed by keyword over the API; pass the input as "
+            "an array of positional arguments"
+        )
+    rid = await app.start_async(
+        body.workflow, *args, run_id=body.run_id, tenant=body.tenant, **kwargs
+    )
+    return RunOut.of(await app.get_run_async(rid))
+
+
+async def _decide(
+    app: App, run_id: str, body: DecisionIn | None, decision: Literal["approved", "rejected"]
+) -> ApprovalOut:
+    body = body or DecisionIn()
+    approval = await app.decide_async(
+        run_id, body.approval_id, decision, by=body.by, comment=body.comment
+    )
+    return ApprovalOut.of(approval)
+
+
+@router.post(
+    "/api/runs/{run_id}/approvals/approve",
+    tags=["approvals"],
+    dependencies=Authorized,
+    responses=_MUTATING,
+)
+async def approve(app: AppDep, run_id: str, body: DecisionIn | None = None) -> ApprovalOut:
+    """Approve the run's pending approval; a worker then continues the run."""
+    return await _decide(app, run_id, body, "approved")
+
+
+@router.post(
+    "/api/runs/{run_id}/approvals/reject",
+    tags=["approvals"],
+    dependencies=Authorized,
+    responses=_MUTATING,
+)
+async def reject(app: AppDep, run_id: str, body: DecisionIn | None = None) -> ApprovalOut:
+    """Reject the run's pending approval; the workflow sees ApprovalRejected."""
+    return await _decide(app, run_id, body, "rejected")
+
+
+@router.post(
+    "/api/runs/{run_id}/events", tags=["events"], dependencies=Authorized, responses=_MUTATING
+)
+async def send_event(app: AppDep, run_id: str, body: EventIn) -> EventDelivery:
+    """Send an event to a run, once per ``event_id``."""
+    import uuid
+
+    event_id = body.event_id or uuid.uuid4().hex
+    result = await app.send_event_async(run_id, body.name, body.payload, event_id=event_id)
+    return EventDelivery(run_id=run_id, name=body.name, event_id=event_id, result=result)
+
+
+@router.post(
+    "/api/runs/{run_id}/effects/{step_id}/resolve",
+    tags=["effects"],
+    dependencies=Authorized,
+    responses=_MUTATING,
+)
+async def resolve_effect(app: AppDep, run_id: str, step_id: str, body: ResolveIn) -> RunOut:
+    """Settle an effect whose outcome is unknown; the run becomes queued."""
+    if body.result is not None and body.outcome != "succeeded":
+        raise InvalidInput("result goes only with outcome succeeded", run_id=run_id)
+    run = await app.resolve_effect_async(
+        run_id, step_id, body.outcome, result=body.result, by=body.by
+    )
+    return RunOut.of(run)
+
+
+@router.post(
+    "/api/runs/{run_id}/resume", tags=["runs"], dependencies=Authorized, responses=_MUTATING
+)
+async def resume(app: AppDep, run_id: str) -> RunOut:
+    """Resume a paused run and execute it here until it completes, fails or stops."""
+    return RunOut.of(await app.resume_async(run_id))
+
+
+@router.post(
+    "/api/runs/{run_id}/cancel", tags=["runs"], dependencies=Authorized, responses=_MUTATING
+)
+async def cancel(app: AppDep, run_id: str, body: CancelIn | None = None) -> RunOut:
+    """Cancel a run at its next call boundary (a run held by a worker may still show running)."""
+    compensate = body.compensate if body else False
+    return RunOut.of(await app.cancel_async(run_id, compensate=compensate))
