@@ -289,10 +289,13 @@ class Effect:
                 use_approval=use_approval,
             )
 
+        # Outcomes of a call (anything after EXECUTING) are known only here: outlast outages.
+        outcome = self.op is not None and self.op.status is OperationStatus.EXECUTING
         committed = await ctx.commit(
             transition,
             settle=None if settle is None else (self.step_id, settle),
             effect=None if settle is None else self.key,
+            durable=outcome,
         )
         now = time.time()
         previous = self.op

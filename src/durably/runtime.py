@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from durably.errors import (
     CheckpointCorrupted,
     DurablyError,
     IdempotencyConflict,
+    InvalidTransition,
     LeaseLostError,
     NonDeterminismError,
     NotJSONSerializable,
@@ -143,6 +145,53 @@ class RunContext:
         self.reached.append(step_id)
         return step_id, self.positions
 
+    async def _outlast(self, t: Transition) -> Committed:
+        """Commit ``t``, retrying through a store outage for as long as the lease lasts.
+
+        A retry after a COMMIT whose answer was lost may find it applied: the operation's
+        row version then no longer matches, and the ledger is read back to confirm.
+        """
+        deadline = time.monotonic() + self.lease.ttl_s * 0.8
+        delay = 0.1
+        ambiguous = False
+        while True:
+            try:
+                return await self.store.commit(self.lease, t)
+            except StoreUnavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning(
+                    "run %s: store unavailable, retrying the record (%s)", self.run.run_id, exc
+                )
+                ambiguous = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            except InvalidTransition:
+                applied = await self._applied(t) if ambiguous else None
+                if applied is None:
+                    raise
+                return applied
+
+    async def _applied(self, t: Transition) -> Committed | None:
+        """The commit of ``t`` if the store shows it applied (after a lost COMMIT answer)."""
+        o = t.operation
+        journal = await self.store.load_journal(self.run.run_id, checkpoints=0)
+        if o is None or journal is None:
+            return None
+        op = next((x for x in journal.operations if x.idempotency_key == o.idempotency_key), None)
+        if op is None or op.status is not o.status or op.result_json != o.result_json:
+            return None
+        run = journal.run
+        if run.lease_owner != self.lease.owner or run.lease_epoch != self.lease.epoch:
+            return None
+        return Committed(
+            run.last_sequence,
+            run.state_version,
+            op.row_version,
+            run.lease_until,
+            run.cancel_requested,
+        )
+
     def stop_writing(self, reason: DurablyError) -> None:
         self.stopped = True
         if self.lost is None:
@@ -186,12 +235,15 @@ class RunContext:
         *,
         settle: tuple[str, str] | None = None,
         effect: str | None = None,
+        durable: bool = False,
     ) -> Committed:
         """Commit under this run's lease, one commit at a time.
 
         ``transition`` may be a function, called under the lock after ``settle`` (a step id
         and its output JSON) and ``effect`` (an idempotency key) were added to the journal,
-        so the checkpoint it drafts includes them.
+        so the checkpoint it drafts includes them. ``durable``: the transition records an
+        outcome only this process knows (a tool's result), so a store outage is waited out
+        while the lease lasts instead of leaving the outcome to reconciliation.
         """
         async with self.lock:
             if self.stopped:
@@ -203,7 +255,9 @@ class RunContext:
             self.journal.budget = self.budget()
             t = transition() if callable(transition) else transition
             try:
-                committed = await self.store.commit(self.lease, t)
+                committed = await (
+                    self._outlast(t) if durable else self.store.commit(self.lease, t)
+                )
             except (LeaseLostError, StoreUnavailable) as exc:
                 self.stop_writing(exc)
                 raise
