@@ -9,6 +9,7 @@ input never yields a 5xx.
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
+from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -127,18 +128,7 @@ class RunOut(BaseModel):
 
     @classmethod
     def of(cls, run: Run) -> RunOut:
-        return cls(
-            run_id=run.run_id,
-            workflow=run.workflow,
-            status=run.status,
-            status_reason=run.status_reason,
-            result=run.result,
-            error=run.error,
-            waiting_for=run.waiting_for,
-            tenant=run.tenant,
-            created_at=run.created_at,
-            updated_at=run.updated_at,
-        )
+        return cls(**asdict(run))
 
 
 class StepOut(BaseModel):
