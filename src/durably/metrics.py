@@ -6,7 +6,9 @@ process (tests, a console serving several) never mix their counts.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class Metrics:
@@ -54,9 +56,30 @@ class Metrics:
             "Approvals presented after their expiry (for a decision or to authorise an effect).",
             registry=r,
         )
+        self.unknown_unresolved = Gauge(
+            "agent_tool_unknown_unresolved",
+            "Effects whose outcome is unknown and not settled yet (read from the store).",
+            ["tool"],
+            registry=r,
+        )
+        self.unknown_oldest = Gauge(
+            "agent_tool_unknown_oldest_seconds",
+            "Age of the oldest unsettled unknown effect (read from the store).",
+            ["tool"],
+            registry=r,
+        )
         self.replay_blocked = Counter(
             "agent_replay_side_effect_blocked", "Live effects blocked during replay.", registry=r
         )
+
+    def observe_unresolved(self, unresolved: dict[str, tuple[int, float]]) -> None:
+        """Set the unknown-effect gauges from the store (shared by every worker)."""
+        now = time.time()
+        self.unknown_unresolved.clear()
+        self.unknown_oldest.clear()
+        for tool, (count, since) in unresolved.items():
+            self.unknown_unresolved.labels(tool=tool).set(count)
+            self.unknown_oldest.labels(tool=tool).set(max(now - since, 0.0))
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus text format."""

@@ -271,3 +271,21 @@ def test_newer_schema_is_refused(
     with pytest.raises(SchemaTooNew):
         run(newer.migrate())
     run(newer.close())
+
+
+def test_unresolved_effects_are_counted_per_tool(store: Store) -> None:
+    """What the unknown-effect gauges read: unknown or reconciling operations, per tool."""
+    run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    assert run(store.unresolved_effects()) == {}
+    step = StepWrite("t#1", 1, "tool", "t", StepStatus.UNKNOWN, "ih", idempotency_key="k1")
+    run(
+        store.commit(
+            claim.lease,
+            Transition(events=[], step=step, operation=op_write(status=OperationStatus.UNKNOWN)),
+        )
+    )
+    ((tool, (count, since)),) = run(store.unresolved_effects()).items()
+    assert (tool, count) == ("t", 1)
+    assert since <= time.time()

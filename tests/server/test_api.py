@@ -407,3 +407,25 @@ def test_serve_refuses_a_public_host_without_a_token(monkeypatch: pytest.MonkeyP
     assert result.exit_code == 2
     assert "without an API token" in result.output
     assert "127.0.0.1 only" in result.output
+
+
+def test_metrics_show_unsettled_unknown_effects(tmp_path: Path) -> None:
+    """The unknown-effect gauges are read from the store at scrape time."""
+    app = durably.App(f"sqlite:///{tmp_path}/m.db")
+
+    @app.tool()
+    def charge() -> None:
+        raise TimeoutError
+
+    @app.workflow()
+    async def pay() -> None:
+        await charge()
+
+    try:
+        assert app.run(pay).status is durably.RunStatus.PAUSED
+        with TestClient(create_server(app)) as client:
+            text = client.get("/metrics").text
+        assert 'agent_tool_unknown_unresolved{tool="charge"} 1.0' in text
+        assert 'agent_tool_unknown_oldest_seconds{tool="charge"}' in text
+    finally:
+        app.close()

@@ -19,7 +19,7 @@ RULES = resources.files("durably") / "alerts" / "durably.rules.yml"
 # seed 2 §45: what must be alerted on, and a metric that shows it.
 REQUIRED = {
     "duplicate side effect": "agent_duplicate_side_effect_total",
-    "unknown unresolved": "agent_tool_unknown_total",
+    "unknown unresolved": "agent_tool_unknown_oldest_seconds",
     "key reused with other input": "agent_tool_idempotency_conflict_total",
     "lease expiry rate": "agent_step_lease_expired_total",
     "tool-to-commit lag": "agent_checkpoint_after_tool_lag_seconds_bucket",
@@ -36,6 +36,7 @@ def rules() -> list[dict[str, Any]]:
 def exported_names() -> set[str]:
     """Every sample name the registry exposes once each labelled metric has a child."""
     metrics = Metrics()
+    metrics.observe_unresolved({"x": (1, 0.0)})  # the store-read gauges
     for value in vars(metrics).values():
         if isinstance(value, Counter | Histogram):
             labels = value._labelnames  # prometheus_client has no public accessor

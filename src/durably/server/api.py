@@ -350,7 +350,9 @@ async def health(app: AppDep) -> Health:
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text."}},
 )
 async def metrics(app: AppDep) -> Response:
-    """The app's Prometheus metrics."""
+    """The app's Prometheus metrics (unknown-effect gauges read from the store now)."""
+    store = await app.open()
+    app.metrics.observe_unresolved(await store.unresolved_effects())
     return Response(content=app.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 

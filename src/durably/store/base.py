@@ -418,6 +418,11 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def unresolved_effects(self) -> dict[str, tuple[int, float]]:
+        """Per tool: how many effects are unknown or reconciling, and since when (the
+        oldest ``updated_at``) — what an operator must settle."""
+
+    @abc.abstractmethod
     async def undelivered(self, consumer: str, limit: int) -> list[Event]:
         """Events ``consumer`` has not acknowledged, oldest first, in order within a run."""
 

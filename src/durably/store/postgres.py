@@ -601,6 +601,14 @@ class PostgresStore(Store):
 
         return await self._transact(work, idempotent=True)
 
+    async def unresolved_effects(self) -> dict[str, tuple[int, float]]:
+        rows = await self._read(
+            "SELECT tool_name, count(*) AS n, min(updated_at) AS since "
+            "FROM durably_tool_operations WHERE status IN ('unknown', 'reconciling') "
+            "GROUP BY tool_name"
+        )
+        return {r["tool_name"]: (int(r["n"]), float(r["since"])) for r in rows}
+
     async def undelivered(self, consumer: str, limit: int) -> list[Event]:
         rows = await self._read(
             "SELECT * FROM durably_events e WHERE NOT EXISTS (SELECT 1 FROM durably_inbox i "

@@ -641,6 +641,14 @@ class SQLiteStore(Store):
             ).fetchone()
         return run_from_row(row)
 
+    async def unresolved_effects(self) -> dict[str, tuple[int, float]]:
+        with self._reading() as db:
+            rows = db.execute(
+                "SELECT tool_name, count(*), min(updated_at) FROM durably_tool_operations "
+                "WHERE status IN ('unknown', 'reconciling') GROUP BY tool_name"
+            ).fetchall()
+        return {r[0]: (int(r[1]), float(r[2])) for r in rows}
+
     async def undelivered(self, consumer: str, limit: int) -> list[Event]:
         with self._reading() as db:
             rows = db.execute(
