@@ -1,0 +1,185 @@
+"""An operator acting on one run: ``approve``/``reject`` its pending approval, ``resolve``
+an unknown effect by hand, ``resume`` it, send it an ``event``, or ``cancel`` it."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+import click
+
+from durably.cli.base import (
+    OPERATOR_DEFAULT,
+    Config,
+    cli,
+    operator,
+    parse_json,
+    pass_config,
+    run_coro,
+)
+from durably.cli.render import echo_decision, echo_json, echo_run
+
+Outcome = Literal["succeeded", "not_executed", "failed"]
+Decision = Literal["approved", "rejected"]
+
+
+def _decision_command(decision: Decision) -> Callable[..., None]:
+    """``approve`` or ``reject``: one command each, the same arguments and output."""
+
+    @click.argument("run_id")
+    @click.argument("approval_id", required=False)
+    @click.option(
+        "--by",
+        default=operator,
+        show_default=OPERATOR_DEFAULT,
+        help="Who decided (recorded with the approval and in the run's history).",
+    )
+    @click.option("--comment", metavar="TEXT", help="Why; recorded with the decision.")
+    @click.option("--json", "as_json", is_flag=True, help="Print the decided approval as JSON.")
+    @pass_config
+    def command(
+        config: Config,
+        run_id: str,
+        approval_id: str | None,
+        by: str,
+        comment: str | None,
+        as_json: bool,
+    ) -> None:
+        app = config.app()
+        approval = run_coro(
+            app, lambda: app.decide_async(run_id, approval_id, decision, by=by, comment=comment)
+        )
+        echo_decision(approval, as_json)
+
+    return command
+
+
+approve = cli.command(
+    "approve",
+    help="Approve the pending approval APPROVAL_ID of run RUN_ID (it may be omitted when the "
+    "run has exactly one pending). The approval is usable once, by exactly the call or plan "
+    "it was requested for, until it expires; a worker then continues the run. A decision is "
+    "recorded once: deciding again is an error.",
+)(_decision_command("approved"))
+
+reject = cli.command(
+    "reject",
+    help="Reject the pending approval APPROVAL_ID of run RUN_ID (it may be omitted when the "
+    "run has exactly one pending). The call does not run: when a worker continues the run, "
+    "the workflow sees ApprovalRejected. A decision is recorded once: deciding again is an "
+    "error.",
+)(_decision_command("rejected"))
+
+
+@cli.command()
+@click.argument("run_id")
+@click.argument("step_id")
+@click.option("--succeeded", is_flag=True, help="It took effect; --result is what it returned.")
+@click.option("--not-executed", is_flag=True, help="It did not happen; the run sends it again.")
+@click.option("--failed", is_flag=True, help="It failed; the workflow sees StepFailed.")
+@click.option(
+    "--result",
+    callback=parse_json,
+    metavar="JSON",
+    help="With --succeeded: the tool's result as JSON.",
+)
+@click.option(
+    "--by",
+    default=operator,
+    show_default=OPERATOR_DEFAULT,
+    help="Who resolved it (recorded in the run's history).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
+@pass_config
+def resolve(
+    config: Config,
+    run_id: str,
+    step_id: str,
+    succeeded: bool,
+    not_executed: bool,
+    failed: bool,
+    result: Any,
+    by: str,
+    as_json: bool,
+) -> None:
+    """Settle an unknown effect by hand. Check the external system first: did the call
+    at STEP_ID of paused run RUN_ID take effect? The run becomes queued; `durably resume`
+    or a worker continues it."""
+    flags: dict[Outcome, bool] = {
+        "succeeded": succeeded,
+        "not_executed": not_executed,
+        "failed": failed,
+    }
+    chosen = [outcome for outcome, given in flags.items() if given]
+    if len(chosen) != 1:
+        raise click.UsageError("pass exactly one of --succeeded, --not-executed, --failed")
+    if result is not None and chosen[0] != "succeeded":
+        raise click.UsageError("--result goes only with --succeeded")
+    app = config.app()
+    run = run_coro(
+        app, lambda: app.resolve_effect_async(run_id, step_id, chosen[0], result=result, by=by)
+    )
+    echo_run(run, as_json)
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
+@pass_config
+def resume(config: Config, run_id: str, as_json: bool) -> None:
+    """Resume a paused run. It is executed here until it completes, fails or stops."""
+    app = config.app()
+    run = run_coro(app, lambda: app.resume_async(run_id))
+    echo_run(run, as_json)
+
+
+@cli.command()
+@click.argument("run_id")
+@click.argument("name")
+@click.option("--payload", callback=parse_json, metavar="JSON", help="The event's payload as JSON.")
+@click.option(
+    "--event-id",
+    metavar="ID",
+    help="The sender's id for this event; sending the same id again changes nothing "
+    "(default: a new id, shown with --json).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the delivery as JSON.")
+@pass_config
+def event(
+    config: Config, run_id: str, name: str, payload: Any, event_id: str | None, as_json: bool
+) -> None:
+    """Send event NAME to run RUN_ID, once per event id. A run waiting in
+    wait_for_event(NAME) becomes due and a worker continues it; an event sent earlier is
+    kept for that wait. Prints `delivered` or `duplicate ignored`."""
+    # Chosen here, not by the app, so --json can show it and a caller can re-send it.
+    eid = event_id or uuid.uuid4().hex
+    app = config.app()
+    result = run_coro(app, lambda: app.send_event_async(run_id, name, payload, event_id=eid))
+    if as_json:
+        echo_json({"run_id": run_id, "name": name, "event_id": eid, "result": result})
+    else:
+        click.echo(result)
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option(
+    "--compensate",
+    is_flag=True,
+    help="First run the compensations of the effects the run made, newest first.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
+@pass_config
+def cancel(config: Config, run_id: str, compensate: bool, as_json: bool) -> None:
+    """Cancel run RUN_ID at its next call boundary, never in the middle of an effect.
+    Cancelled is final. A run held by a live worker is stopped by that worker, so it may
+    still show running here."""
+    app = config.app()
+    run = run_coro(app, lambda: app.cancel_async(run_id, compensate=compensate))
+    echo_run(run, as_json)
+    if not as_json and not run.status.is_final:
+        click.echo(
+            f"note: a worker holds {run.run_id}; it cancels the run at its next call boundary "
+            f"(check with `durably runs show {run.run_id}`)"
+        )

@@ -1,0 +1,113 @@
+"""How the commands print: JSON on stdout for ``--json``, else tables and labelled lines
+for people, with times in UTC."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+
+from durably.app import Run
+from durably.status import RunStatus
+from durably.store.base import Approval
+
+
+def echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False))
+
+
+def format_time(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _span(seconds: float) -> str:
+    """``2d 3h``, ``5h 12m``, ``4m 10s``, ``9s``: a duration for people, two units at most."""
+    s = int(seconds)
+    days, hours, minutes = s // 86400, s % 86400 // 3600, s % 3600 // 60
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {s % 60}s"
+    return f"{s}s"
+
+
+def expiry(ts: float) -> str:
+    """The absolute time and how far off it is, judged by this machine's clock."""
+    left = ts - time.time()
+    return f"{format_time(ts)} ({'in ' + _span(left) if left > 0 else 'passed'})"
+
+
+def run_json(run: Run) -> dict[str, Any]:
+    return {**dataclasses.asdict(run), "status": run.status.value}
+
+
+def table(headers: list[str], rows: list[list[Any]], empty: str = "(none)") -> None:
+    if not rows:
+        click.echo(empty)
+        return
+    rows = [["-" if cell is None else str(cell) for cell in row] for row in rows]
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
+    for row in [headers, *rows]:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def error_text(error: dict[str, Any] | None) -> str:
+    if not error:
+        return "-"
+    return f"{error.get('type', 'Error')}: {error.get('message', '')}"
+
+
+def _labelled(label: str, value: str) -> None:
+    click.echo(f"{label:<10} {value}")
+
+
+def _approval_subject(approval: Approval) -> tuple[str, str]:
+    """What was approved: a tool call as ``tool(arg=value, ...)``, or a plan's payload."""
+    payload = approval.payload
+    if approval.kind == "tool" and isinstance(payload, dict):
+        arguments = payload.get("arguments")
+        if isinstance(arguments, dict):
+            shown = ", ".join(
+                f"{name}={json.dumps(value, ensure_ascii=False)}"
+                for name, value in arguments.items()
+            )
+            return "tool call", f"{payload.get('tool', approval.name)}({shown})"
+    return "plan", f"{approval.name}: {json.dumps(payload, ensure_ascii=False)}"
+
+
+def echo_decision(approval: Approval, as_json: bool) -> None:
+    if as_json:
+        echo_json(dataclasses.asdict(approval))
+        return
+    _labelled(
+        approval.status,
+        f"approval {approval.approval_id} of run {approval.run_id}, step {approval.step_id}",
+    )
+    _labelled(*_approval_subject(approval))
+    _labelled("expires", expiry(approval.expires_at))
+    by = approval.decided_by or "-"
+    _labelled("by", f"{by}: {approval.comment}" if approval.comment else by)
+    if approval.status == "approved":
+        nxt = "a worker continues the run; the approved call may run once, before it expires"
+    else:
+        nxt = "a worker continues the run; the workflow sees ApprovalRejected"
+    _labelled("next", f"{nxt} (`durably worker`, or `durably resume {approval.run_id}`)")
+
+
+def echo_run(run: Run, as_json: bool) -> None:
+    if as_json:
+        echo_json(run_json(run))
+        return
+    shown = run.status_reason and run.status_reason != run.status.value
+    reason = f" ({run.status_reason})" if shown else ""
+    click.echo(f"{run.run_id}: {run.status.value}{reason}")
+    if run.status is RunStatus.COMPLETED:
+        click.echo(f"result: {json.dumps(run.result, ensure_ascii=False)}")
+    elif run.error:
+        click.echo(f"error: {error_text(run.error)}")
