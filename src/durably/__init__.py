@@ -47,7 +47,7 @@ from durably.status import (
 )
 from durably.store.base import Approval, Event
 from durably.subscription import Subscription
-from durably.waits import approval, sleep, wait_for_event
+from durably.waits import approval, replan, sleep, wait_for_event
 from durably.workflow_api import charge, compensate
 
 __all__ = [
@@ -97,6 +97,7 @@ __all__ = [
     "current_run",
     "idempotency_key",
     "register_checkpoint_migration",
+    "replan",
     "sleep",
     "wait_for_event",
 ]

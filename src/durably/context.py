@@ -38,8 +38,9 @@ def active() -> RunContext:
 
 def current_run() -> RunInfo:
     """The run this code is executing in."""
-    run = active().run
-    return RunInfo(run.run_id, run.tenant, run.workflow, run.workflow_version, run.plan_version)
+    ctx = active()
+    run = ctx.run
+    return RunInfo(run.run_id, run.tenant, run.workflow, run.workflow_version, ctx.plan_version)
 
 
 def idempotency_key() -> str:

@@ -121,7 +121,7 @@ class Effect:
         self.key = idempotency_key(
             run.tenant,
             run.run_id,
-            run.plan_version,
+            ctx.plan_version,
             self.step_id,
             tool.operation_group or tool.name,
         )
@@ -220,7 +220,7 @@ class Effect:
             idempotency_key=self.key,
             run_id=self.ctx.run.run_id,
             step_id=self.step_id,
-            plan_version=self.ctx.run.plan_version,
+            plan_version=self.ctx.plan_version,
             tool=self.tool.name,
             tool_version=self.tool.version,
             input_hash=self.input_hash,
@@ -377,7 +377,7 @@ class Effect:
         bound = latest is not None and (
             latest.input_hash == self.input_hash
             and latest.idempotency_key == self.key
-            and latest.plan_version == ctx.run.plan_version
+            and latest.plan_version == ctx.plan_version
         )
         now = await ctx.store.now()
         if latest is not None and bound:
@@ -392,9 +392,7 @@ class Effect:
                     comment=latest.comment,
                 )
             if latest.expires_at > now and latest.status == "approved":
-                return ApprovalUse(
-                    latest.approval_id, self.input_hash, self.key, ctx.run.plan_version
-                )
+                return ApprovalUse(latest.approval_id, self.input_hash, self.key, ctx.plan_version)
             if latest.expires_at > now and latest.status == "requested":
                 await self._wait_for_approval(latest.approval_id, latest.expires_at)
         await self._reapprove(latest)
@@ -439,7 +437,7 @@ class Effect:
                 ),
                 input_hash=self.input_hash,
                 idempotency_key=self.key,
-                plan_version=ctx.run.plan_version,
+                plan_version=ctx.plan_version,
                 expires_at=expires_at,
                 replaces=replaces,
             )

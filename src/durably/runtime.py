@@ -117,6 +117,9 @@ class RunContext:
     cancelling: bool = False
     approvals: dict[str, list[Approval]] = field(default_factory=dict)
     usage: dict[str, float] = field(default_factory=dict)
+    plan_version: int = 1
+    """The plan version at this point of the execution: replay starts at 1 and each
+    recorded ``replan()`` bumps it, so every call derives the key it had originally."""
     """Steps, tool calls, tokens and cost so far (recomputed by every replay)."""
     """The run's approval requests by step id, oldest first."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

@@ -38,6 +38,7 @@ from durably.store.base import (
 SLEEP = "durably.sleep"
 EVENT = "durably.event"
 APPROVAL = "durably.approval"
+REPLAN = "durably.replan"
 
 
 def _seconds(duration: float | timedelta | None, what: str) -> float | None:
@@ -77,6 +78,7 @@ class _Wait:
         event: str,
         consume: str | None = None,
         use: ApprovalUse | None = None,
+        plan_version: int | None = None,
     ) -> None:
         output_json = canonical_json(outcome, what=f"the outcome of {self.step_id}")
         ctx = self.ctx
@@ -96,6 +98,7 @@ class _Wait:
                 checkpoint=ctx.journal.draft(status=RunStatus.RUNNING, current_step=self.step_id),
                 consume_signal=None if consume is None else (consume, self.step_id),
                 use_approval=use,
+                plan_version=plan_version,
             ),
             settle=(self.step_id, output_json),
         )
@@ -249,7 +252,7 @@ async def approval(
         latest = requests[-1] if requests else None
         now = await ctx.store.now()
         if latest is not None and (
-            latest.input_hash != payload_hash or latest.plan_version != ctx.run.plan_version
+            latest.input_hash != payload_hash or latest.plan_version != ctx.plan_version
         ):
             latest_bound = None
         else:
@@ -263,7 +266,7 @@ async def approval(
             and latest_bound.expires_at > now
         ):
             wait.outcome = _decision(latest_bound, approved=True)
-            use = ApprovalUse(latest_bound.approval_id, payload_hash, None, ctx.run.plan_version)
+            use = ApprovalUse(latest_bound.approval_id, payload_hash, None, ctx.plan_version)
             await wait.settle(wait.outcome, "approval_granted", use=use)
         else:
             await _request(wait, name, payload, payload_json, payload_hash, latest, now + ttl, now)
@@ -310,7 +313,7 @@ async def _request(
             payload_json=payload_json,
             input_hash=payload_hash,
             idempotency_key=None,
-            plan_version=wait.ctx.run.plan_version,
+            plan_version=wait.ctx.plan_version,
             expires_at=expires_at,
             replaces=None if latest is None else latest.approval_id,
         )
@@ -338,3 +341,21 @@ def _decision(approval: Approval, *, approved: bool) -> dict[str, Any]:
         "approval_id": approval.approval_id,
         "payload_hash": approval.input_hash,
     }
+
+
+async def replan() -> int:
+    """Start a new plan: calls from here on get new idempotency keys and approvals given
+    under the old plan no longer authorise anything. Returns the new plan version.
+
+    Use it when the agent decides on different business actions (a new recipient, a new
+    amount); a plain retry of the same action must keep its key, so never replan for that.
+    """
+    ctx = context.active()
+    wait = _Wait(ctx, REPLAN, {})
+    if not wait.settled:
+        await ctx.boundary()
+        wait.outcome = {"plan_version": ctx.plan_version + 1}
+        await wait.settle(wait.outcome, "plan_revised", plan_version=ctx.plan_version + 1)
+    assert isinstance(wait.outcome, dict)
+    ctx.plan_version = int(wait.outcome["plan_version"])
+    return ctx.plan_version

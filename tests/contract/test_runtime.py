@@ -652,3 +652,42 @@ def test_runs_are_pinned_to_their_workflow_version(make_app: MakeApp) -> None:
         new.resume(run_id)
     assert old.worker().run(until_idle=True) == 1
     assert old.get_run(run_id).result == "v1"
+
+
+def test_replan_gives_later_calls_new_keys_and_replays_the_old_ones(make_app: MakeApp) -> None:
+    from durably.keys import idempotency_key
+
+    app = make_app()
+    keys: list[str] = []
+    state = {"open": False}
+
+    @app.tool(idempotent=True)
+    def send(to: str) -> str:
+        keys.append(durably.idempotency_key())
+        return to
+
+    @app.tool()
+    def gate() -> None:
+        if not state["open"]:
+            raise TimeoutError
+
+    @app.workflow()
+    async def wf() -> list[int]:
+        await send("a")
+        version = await durably.replan()
+        await send("b")
+        await gate()
+        return [version, durably.current_run().plan_version]
+
+    run = app.run(wf)
+    assert run.status is RunStatus.PAUSED
+    state["open"] = True
+    app.resolve_effect(run.run_id, "gate#1", "not_executed")
+    done = app.resume(run.run_id)  # replays both sends under their original plans
+    assert done.status is RunStatus.COMPLETED
+    assert done.result == [2, 2]
+    assert keys == [
+        idempotency_key("default", run.run_id, 1, "send#1", "send"),
+        idempotency_key("default", run.run_id, 2, "send#2", "send"),
+    ]
+    assert [e["idempotency_key"] for e in app.describe(run.run_id)["effects"]][:2] == keys

@@ -279,6 +279,8 @@ class Transition:
     """(event_id, step_id): the wait at step_id settles with this signal; exactly once."""
     wake_on_signal: str | None = None
     """The run starts waiting for events of this name: if one arrived meanwhile, it is due now."""
+    plan_version: int | None = None
+    """The run's new plan version (``durably.replan()``)."""
     request_approval: ApprovalRequest | None = None
     use_approval: ApprovalUse | None = None
     """Raises ApprovalExpired (and nothing of the transition applies) if not usable."""

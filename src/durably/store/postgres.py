@@ -808,6 +808,13 @@ def _second_round(
                 ),
             )
         )
+    if t.plan_version is not None:
+        rest.append(
+            (
+                "UPDATE durably_runs SET plan_version = %s WHERE run_id = %s",
+                (t.plan_version, guard.run_id),
+            )
+        )
     if t.wake_on_signal is not None:
         # The run is about to wait for this event name: one that arrived meanwhile makes
         # it due at once (delivery locks the run row, so the two serialise).

@@ -325,6 +325,11 @@ class SQLiteStore(Store):
                         guard.run_id,
                     ),
                 )
+            if t.plan_version is not None:
+                db.execute(
+                    "UPDATE durably_runs SET plan_version = ? WHERE run_id = ?",
+                    (t.plan_version, guard.run_id),
+                )
             if t.wake_on_signal is not None:
                 # The run is about to wait for this event name: one that arrived meanwhile
                 # makes it due at once (delivery and this commit serialise on the run).
