@@ -28,6 +28,7 @@ from durably.errors import (
     ApprovalExpired,
     ApprovalRejected,
     IdempotencyConflict,
+    NonDeterminismError,
     NotJSONSerializable,
     OutcomeUnknown,
     PayloadTooLarge,
@@ -37,7 +38,7 @@ from durably.errors import (
 from durably.keys import canonical_json, idempotency_key, input_hash, plain_json, sha256_hex
 from durably.ledger import Action, OperationView, decide
 from durably.reconcile import Operation, Reconciliation
-from durably.runtime import RunContext, Suspend, error_dict
+from durably.runtime import Cancel, RunContext, Suspend, error_dict
 from durably.status import FailureCategory, OperationStatus, PauseReason, RunStatus, StepStatus
 from durably.store.base import (
     Approval,
@@ -126,6 +127,19 @@ class Effect:
             tool.operation_group or tool.name,
         )
         ctx.replayed(self.step_id, self.position, "tool", tool.name, self.input_hash)
+        recorded = ctx.steps.get(self.step_id)
+        if recorded is not None and recorded.idempotency_key not in (None, self.key):
+            # Same call, another key: the plan version (replan) differs from the original
+            # execution at this point. Executing under the new key would repeat the effect.
+            raise ctx.poison(
+                NonDeterminismError(
+                    f"{tool.name} at {self.step_id} was recorded under another plan version "
+                    "than this replay reaches it with (a replan() raced this call?); the run "
+                    "pauses rather than execute it again",
+                    run_id=run.run_id,
+                    step_id=self.step_id,
+                )
+            )
         self.op: OperationRecord | None = ctx.operations.get(self.key)
         # input_hash() already proved the arguments are plain JSON.
         self.stored_arguments = redact(tool, ctx.app.secret_key, self.arguments)
@@ -143,13 +157,11 @@ class Effect:
 
     async def settle(self) -> Any:
         metrics = self.ctx.app.metrics
-        if self.op is None or self.op.status not in (
-            OperationStatus.SUCCEEDED,
-            OperationStatus.COMPENSATED,
-        ):
+        if self.op is None:
+            # Only a brand-new call stops for a cancel, a shutdown or the budget: an effect
+            # already under way is settled first (reconciled if need be), never abandoned.
             await self.ctx.boundary()
-            if self.op is None:
-                await self.ctx.check_budget()
+            await self.ctx.check_budget()
         while True:
             op = self.op
             action = decide(
@@ -208,6 +220,10 @@ class Effect:
             elif action is Action.RAISE:
                 assert op is not None
                 raise self._failed(op)
+            elif self.ctx.cancel_requested:
+                # Only a person could settle this effect, and the run is being cancelled:
+                # it stops here, leaving the effect unknown (counted in the unknown gauges).
+                raise Cancel
             else:
                 await self._pause()
 
@@ -478,6 +494,10 @@ class Effect:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.ctx.inflight[id(self)] = done
         try:
+            if self.ctx.stopped:
+                # A parallel branch paused or released the run since this call was claimed:
+                # nothing is sent; whoever continues the run settles the claim.
+                raise Suspend
             await self._call_and_record()
         finally:
             del self.ctx.inflight[id(self)]

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from durably import context, faults
@@ -251,6 +251,7 @@ class RunContext:
         async with self.lock:
             if self.stopped:
                 raise Suspend
+            before = replace(self.journal)
             if settle is not None:
                 self.journal.settle(*settle)
             if effect is not None:
@@ -263,6 +264,9 @@ class RunContext:
                 )
             except (LeaseLostError, StoreUnavailable) as exc:
                 self.stop_writing(exc)
+                raise
+            except BaseException:
+                self.journal = before  # refused: the journal stays as the store has it
                 raise
             self.cancel_requested = committed.cancel_requested
         if t.checkpoint is not None:

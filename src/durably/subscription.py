@@ -59,17 +59,22 @@ class Subscription:
         store = await self.app.open()
         held: set[str] = set()
         acknowledged = 0
-        for event in await store.undelivered(self.consumer, self.batch):
-            if event.run_id in held:
-                continue
-            try:
-                await invoke(self.handler, event)
-            except Exception:
-                log.exception("consumer %s failed on event %s", self.consumer, event.event_id)
-                held.add(event.run_id)
-                continue
-            if await store.acknowledge(self.consumer, event.event_id):
-                acknowledged += 1
+        while True:
+            # Held runs are left out of the next batch, so one failing run cannot fill it.
+            batch = await store.undelivered(self.consumer, self.batch, skip_runs=sorted(held))
+            if not batch:
+                break
+            for event in batch:
+                if event.run_id in held:
+                    continue
+                try:
+                    await invoke(self.handler, event)
+                except Exception:
+                    log.exception("consumer %s failed on event %s", self.consumer, event.event_id)
+                    held.add(event.run_id)
+                    continue
+                if await store.acknowledge(self.consumer, event.event_id):
+                    acknowledged += 1
         self.delivered += acknowledged
         return acknowledged
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from durably import context, faults
 from durably.errors import (
+    ApprovalExpired,
     ApprovalRejected,
     ConfigurationError,
     NonDeterminismError,
@@ -267,7 +268,15 @@ async def approval(
         ):
             wait.outcome = _decision(latest_bound, approved=True)
             use = ApprovalUse(latest_bound.approval_id, payload_hash, None, ctx.plan_version)
-            await wait.settle(wait.outcome, "approval_granted", use=use)
+            try:
+                await wait.settle(wait.outcome, "approval_granted", use=use)
+            except ApprovalExpired:
+                # It expired between the check and the store's judgement: ask again.
+                ctx.app.metrics.approval_expired.inc()
+                now = await ctx.store.now()
+                await _request(
+                    wait, name, payload, payload_json, payload_hash, latest, now + ttl, now
+                )
         else:
             await _request(wait, name, payload, payload_json, payload_hash, latest, now + ttl, now)
     assert isinstance(wait.outcome, dict)

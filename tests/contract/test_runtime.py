@@ -691,3 +691,48 @@ def test_replan_gives_later_calls_new_keys_and_replays_the_old_ones(make_app: Ma
         idempotency_key("default", run.run_id, 2, "send#2", "send"),
     ]
     assert [e["idempotency_key"] for e in app.describe(run.run_id)["effects"]][:2] == keys
+
+
+def test_a_replan_racing_a_call_pauses_instead_of_repeating_it(make_app: MakeApp) -> None:
+    """A replan in a parallel branch can land before or after a call depending on timing;
+    a replay that derives another key than the one recorded must not execute again."""
+    app = make_app()
+    charged = Counter[str]()
+    state = {"open": False}
+    gate_hold = {"wait": 0.05}
+
+    @app.step()
+    async def slow() -> None:
+        await asyncio.sleep(gate_hold["wait"])
+
+    @app.tool(idempotent=True)
+    def charge(amount: int) -> int:
+        charged[str(amount)] += 1
+        return amount
+
+    @app.tool()
+    def gate() -> None:
+        if not state["open"]:
+            raise TimeoutError
+
+    @app.workflow()
+    async def wf() -> int:
+        async def revise() -> None:
+            await durably.replan()
+
+        task = asyncio.ensure_future(revise())
+        await slow()
+        charged_amount = await charge(10)
+        await task
+        await gate()
+        return charged_amount
+
+    run = app.run(wf)
+    assert run.status is RunStatus.PAUSED
+    state["open"] = True
+    app.resolve_effect(run.run_id, "gate#1", "not_executed")
+    again = app.resume(run.run_id)
+    assert charged == Counter({"10": 1})
+    assert again.status in (RunStatus.COMPLETED, RunStatus.PAUSED)
+    if again.status is RunStatus.PAUSED:
+        assert again.status_reason == "non_determinism"

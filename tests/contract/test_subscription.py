@@ -76,3 +76,18 @@ def test_events_committed_before_a_crash_are_still_delivered(make_app: MakeApp) 
     types: list[str] = []
     app.subscribe(lambda e: types.append(e.type), consumer="pager").run(until_idle=True)
     assert types[-2:] == ["effect_unknown", "run_paused"]
+
+
+def test_a_failing_run_does_not_starve_the_others(make_app: MakeApp) -> None:
+    """Even when the failing run's pending events alone would fill a whole batch."""
+    app = make_app()
+    first, second = make_runs(app, 2)
+    seen: list[str] = []
+
+    def handler(event: Event) -> None:
+        if event.run_id == first:
+            raise RuntimeError("downstream unavailable")
+        seen.append(event.event_id)
+
+    app.subscribe(handler, consumer="mirror", batch=2).run(until_idle=True)
+    assert len(seen) == len(app.events(second))

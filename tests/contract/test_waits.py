@@ -223,3 +223,69 @@ def test_cancel_reaches_a_running_run_at_its_next_boundary(make_app: MakeApp) ->
     worker.join(20)
     assert app.get_run(run_id).status is RunStatus.CANCELLED
     assert calls == Counter(slow=1)  # stopped before the effect, never during it
+
+
+def test_cancel_compensates_an_effect_whose_outcome_was_reconciled(make_app: MakeApp) -> None:
+    """An effect of unknown outcome is reconciled, never abandoned; cancelling later with
+    compensation undoes it once."""
+    app = make_app()
+    issued: list[str] = []
+    refunded: list[Any] = []
+
+    def lookup(op: durably.Operation) -> durably.Reconciliation:
+        return (
+            durably.Reconciliation.succeeded({"coupon": issued[0]})
+            if issued
+            else (durably.Reconciliation.not_executed())
+        )
+
+    def refund(op: durably.Operation) -> None:
+        refunded.append(op.result)
+
+    state = {"answer": False}
+
+    @app.tool(reconcile=lookup, compensate=refund)
+    def issue(customer: str) -> dict[str, str]:
+        issued.append(customer)
+        if not state["answer"]:
+            raise durably.OutcomeUnknown("no answer")  # it happened; nobody knows yet
+        return {"coupon": customer}
+
+    @app.workflow()
+    async def wf() -> Any:
+        coupon = await issue("c-1")
+        return await durably.wait_for_event("done", timeout=None) or coupon
+
+    run = app.run(wf)  # reconciled at once: succeeded; the run then waits
+    assert run.status is RunStatus.WAITING_EXTERNAL
+    done = app.cancel(run.run_id, compensate=True)
+    assert done.status is RunStatus.CANCELLED
+    assert issued == ["c-1"]
+    assert refunded == [{"coupon": "c-1"}]
+
+
+def test_a_cancel_requested_just_before_a_wait_is_not_lost(make_app: MakeApp) -> None:
+    app = make_app()
+    operator = make_app()
+    entered = threading.Event()
+    release = threading.Event()
+
+    @app.step()
+    def slow() -> None:
+        entered.set()
+        release.wait(10)
+
+    @app.workflow()
+    async def wf() -> Any:
+        await slow()
+        return await durably.wait_for_event("never")
+
+    run_id = app.start(wf)
+    worker = threading.Thread(target=lambda: app.worker().run(until_idle=True))
+    worker.start()
+    assert entered.wait(10)
+    operator.cancel(run_id)  # the worker still holds the run: only a request
+    release.set()
+    worker.join(20)
+    app.worker().run(until_idle=True)
+    assert app.get_run(run_id).status is RunStatus.CANCELLED

@@ -327,6 +327,24 @@ def test_without_a_configured_token_local_callers_are_trusted(tmp_path: Path) ->
         assert r.status_code == 201
 
 
+def test_cross_site_requests_are_refused_even_without_a_token(tmp_path: Path) -> None:
+    """A page elsewhere cannot make the operator's browser start or cancel runs."""
+    for h in serve(tmp_path, api_token=None):
+        foreign = h.client.post(
+            "/api/runs",
+            json={"workflow": "summing", "input": [1]},
+            headers={"origin": "https://evil.example"},
+        )
+        assert foreign.status_code == 403
+        simple = h.client.post(
+            "/api/runs",
+            content=b'{"workflow": "summing", "input": [1]}',
+            headers={"content-type": "text/plain"},
+        )
+        assert simple.status_code == 415
+        assert h.client.get("/api/runs").json() == []
+
+
 # -- fuzzing ----------------------------------------------------------------------------------
 
 

@@ -171,3 +171,14 @@ def test_without_secrets_webhooks_are_refused(tmp_path: Path) -> None:
         assert r.status_code == 503
         assert "webhooks not configured" in r.json()["message"]
         assert h.events(rid) == before
+
+
+def test_an_absurd_timestamp_is_a_clean_401(h: Harness) -> None:
+    raw = json.dumps(event("r")).encode()
+    headers = {
+        "webhook-id": "msg_big",
+        "webhook-timestamp": "9" * 5000,
+        "webhook-signature": "v1,AAAA",
+        "content-type": "application/json",
+    }
+    assert h.client.post(URL, content=raw, headers=headers).status_code == 401

@@ -20,6 +20,7 @@ import binascii
 import hashlib
 import hmac
 import json
+import re
 import time
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, Literal
@@ -33,6 +34,9 @@ from durably.server.settings import ServerSettings, durably_app, settings
 
 TOLERANCE_SECONDS = 5 * 60
 MAX_BODY_BYTES = 256 * 1024
+
+# ASCII digits, bounded: str.isdigit() accepts other digits and int() refuses huge strings.
+_DIGITS = re.compile(r"[0-9]{1,15}")
 
 router = APIRouter(route_class=DurablyRoute)
 
@@ -81,7 +85,7 @@ def signature_matches(
 async def _read_limited(request: Request, limit: int) -> bytes | None:
     """The body, or None once it exceeds ``limit`` bytes (without reading the rest)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and _DIGITS.fullmatch(declared) and int(declared) > limit:
         return None
     chunks: list[bytes] = []
     size = 0
@@ -112,7 +116,7 @@ def _check_signature(
             "missing webhook-id, webhook-timestamp or webhook-signature header "
             "(sign requests per the Standard Webhooks scheme)"
         )
-    if not timestamp.isdigit():
+    if not _DIGITS.fullmatch(timestamp):
         raise _unauthorized(f"webhook-timestamp {timestamp!r} is not unix seconds")
     skew = int(timestamp) - now
     if abs(skew) > TOLERANCE_SECONDS:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -425,8 +426,11 @@ class Store(abc.ABC):
         oldest ``updated_at``) — what an operator must settle."""
 
     @abc.abstractmethod
-    async def undelivered(self, consumer: str, limit: int) -> list[Event]:
-        """Events ``consumer`` has not acknowledged, oldest first, in order within a run."""
+    async def undelivered(
+        self, consumer: str, limit: int, *, skip_runs: Sequence[str] = ()
+    ) -> list[Event]:
+        """Events ``consumer`` has not acknowledged, oldest first, in order within a run,
+        leaving out the runs in ``skip_runs`` (held back by a failing handler)."""
 
     @abc.abstractmethod
     async def acknowledge(self, consumer: str, event_id: str) -> bool:

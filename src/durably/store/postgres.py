@@ -33,6 +33,7 @@ from durably.status import RunStatus
 from durably.store.base import (
     CLAIMABLE,
     RUNNABLE,
+    WAITING,
     Approval,
     Claim,
     Committed,
@@ -402,6 +403,13 @@ class PostgresStore(Store):
                 )
             )
         results = await _script(db, first)
+        if not results[1]:
+            if isinstance(guard, Lease):
+                raise lease_lost(guard)
+            raise InvalidTransition(
+                f"run {guard.run_id} changed or is held by a worker; read it again and retry",
+                run_id=guard.run_id,
+            )
         if t.use_approval is not None and not results.pop():
             raise ApprovalExpired(
                 f"approval {t.use_approval.approval_id} is no longer usable (expired, used, "
@@ -605,16 +613,20 @@ class PostgresStore(Store):
         rows = await self._read(
             "SELECT tool_name, count(*) AS n, min(updated_at) AS since "
             "FROM durably_tool_operations WHERE status IN ('unknown', 'reconciling') "
+            f"OR (status = 'executing' AND lease_until < {_NOW}) "
             "GROUP BY tool_name"
         )
         return {r["tool_name"]: (int(r["n"]), float(r["since"])) for r in rows}
 
-    async def undelivered(self, consumer: str, limit: int) -> list[Event]:
+    async def undelivered(
+        self, consumer: str, limit: int, *, skip_runs: Sequence[str] = ()
+    ) -> list[Event]:
         rows = await self._read(
             "SELECT * FROM durably_events e WHERE NOT EXISTS (SELECT 1 FROM durably_inbox i "
             "WHERE i.consumer = %s AND i.event_id = e.run_id || ':' || e.sequence) "
+            "AND NOT (e.run_id = ANY(%s)) "
             "ORDER BY e.created_at, e.run_id, e.sequence LIMIT %s",
-            (consumer, limit),
+            (consumer, list(skip_runs), limit),
         )
         return [event_from_row(r) for r in rows]
 
@@ -806,6 +818,16 @@ def _second_round(
                     r.plan_version,
                     r.expires_at,
                 ),
+            )
+        )
+    if t.run is not None and t.run.status in WAITING:
+        # A cancel requested while the run was still executing must not be lost behind a
+        # wait: the run stays due, and its next execution cancels it.
+        rest.append(
+            (
+                f"UPDATE durably_runs SET status = 'queued', available_at = {_NOW} "
+                "WHERE run_id = %s AND cancel_requested > 0",
+                (guard.run_id,),
             )
         )
     if t.plan_version is not None:

@@ -11,7 +11,7 @@ import contextlib
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from durably.store.base import (
 )
 from durably.store.migrations import Migrator, split_statements
 
+_WAITING_STATUSES = (RunStatus.WAITING_EXTERNAL, RunStatus.WAITING_APPROVAL)
 _CLAIMABLE_SQL = ", ".join(f"'{s.value}'" for s in CLAIMABLE)
 
 
@@ -324,6 +325,14 @@ class SQLiteStore(Store):
                         u.available_at,
                         guard.run_id,
                     ),
+                )
+            if t.run is not None and t.run.status in _WAITING_STATUSES:
+                # A cancel requested while the run was still executing must not be lost
+                # behind a wait: the run stays due, and its next execution cancels it.
+                db.execute(
+                    "UPDATE durably_runs SET status = 'queued', available_at = ? "
+                    "WHERE run_id = ? AND cancel_requested > 0",
+                    (now, guard.run_id),
                 )
             if t.plan_version is not None:
                 db.execute(
@@ -650,17 +659,24 @@ class SQLiteStore(Store):
         with self._reading() as db:
             rows = db.execute(
                 "SELECT tool_name, count(*), min(updated_at) FROM durably_tool_operations "
-                "WHERE status IN ('unknown', 'reconciling') GROUP BY tool_name"
+                "WHERE status IN ('unknown', 'reconciling') "
+                "OR (status = 'executing' AND lease_until < ?) GROUP BY tool_name",
+                (time.time(),),
             ).fetchall()
         return {r[0]: (int(r[1]), float(r[2])) for r in rows}
 
-    async def undelivered(self, consumer: str, limit: int) -> list[Event]:
+    async def undelivered(
+        self, consumer: str, limit: int, *, skip_runs: Sequence[str] = ()
+    ) -> list[Event]:
+        # One placeholder per skipped run: the SQL's shape depends on a count, not on input.
+        marks = ", ".join("?" for _ in skip_runs)
         with self._reading() as db:
             rows = db.execute(
                 "SELECT * FROM durably_events e WHERE NOT EXISTS (SELECT 1 FROM durably_inbox i "
                 "WHERE i.consumer = ? AND i.event_id = e.run_id || ':' || e.sequence) "
+                f"AND e.run_id NOT IN ({marks}) "
                 "ORDER BY e.created_at, e.run_id, e.sequence LIMIT ?",
-                (consumer, limit),
+                (consumer, *skip_runs, limit),
             ).fetchall()
         return [event_from_row(r) for r in rows]
 
