@@ -783,16 +783,6 @@ def _view(op: OperationRecord) -> OperationView:
     )
 
 
-async def call_tool(
-    ctx: RunContext,
-    tool: ToolDef,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    explicit_step_id: str | None,
-) -> Any:
-    return await Effect(ctx, tool, args, kwargs, explicit_step_id).settle()
-
-
 async def compensate(ctx: RunContext, step_ids: tuple[str, ...]) -> list[str]:
     """Run the registered compensations of succeeded effects, newest first; once each."""
     # Only effects this execution has reached, so a replay compensates exactly what the

@@ -602,6 +602,12 @@ def event_from_row(r: Row) -> Event:
     )
 
 
+def wakes(status: str, waiting_for_json: str | None, event_name: str) -> bool:
+    """Whether an event of ``event_name`` ends the run's current wait (both stores' rule)."""
+    waiting = loads(waiting_for_json) or {}
+    return status == RunStatus.WAITING_EXTERNAL and waiting.get("event") == event_name
+
+
 def check_open(run_id: str, run: Row | None) -> None:
     """Raise unless the run exists and is not finished."""
     if run is None:

@@ -52,12 +52,12 @@ from durably.store.base import (
     checkpoint_from_row,
     event_from_row,
     lease_lost,
-    loads,
     operation_from_row,
     pending_approval,
     run_from_row,
     signal_from_row,
     step_from_row,
+    wakes,
 )
 from durably.store.migrations import Migrator
 
@@ -489,8 +489,7 @@ class PostgresStore(Store):
                 await _finish(db, sent, [])
                 return False
             run = runs[0] if runs else {}
-            waiting = loads(run["waiting_for_json"]) or {}
-            due = run["status"] == RunStatus.WAITING_EXTERNAL and waiting.get("event") == name
+            due = wakes(run["status"], run["waiting_for_json"], name)
             payload = {"name": name, "event_id": event_id, "wakes_run": due}
             await _finish(
                 db,

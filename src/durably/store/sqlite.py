@@ -26,6 +26,7 @@ from durably.keys import plain_json
 from durably.status import RunStatus
 from durably.store.base import (
     CLAIMABLE,
+    WAITING,
     Approval,
     Claim,
     Committed,
@@ -43,16 +44,15 @@ from durably.store.base import (
     checkpoint_from_row,
     event_from_row,
     lease_lost,
-    loads,
     operation_from_row,
     pending_approval,
     run_from_row,
     signal_from_row,
     step_from_row,
+    wakes,
 )
 from durably.store.migrations import Migrator, split_statements
 
-_WAITING_STATUSES = (RunStatus.WAITING_EXTERNAL, RunStatus.WAITING_APPROVAL)
 _CLAIMABLE_SQL = ", ".join(f"'{s.value}'" for s in CLAIMABLE)
 
 
@@ -326,7 +326,7 @@ class SQLiteStore(Store):
                         guard.run_id,
                     ),
                 )
-            if t.run is not None and t.run.status in _WAITING_STATUSES:
+            if t.run is not None and t.run.status in WAITING:
                 # A cancel requested while the run was still executing must not be lost
                 # behind a wait: the run stays due, and its next execution cancels it.
                 db.execute(
@@ -583,8 +583,7 @@ class SQLiteStore(Store):
             ).rowcount
             if not inserted:
                 return False
-            waiting = loads(run["waiting_for_json"]) or {}
-            due = run["status"] == RunStatus.WAITING_EXTERNAL and waiting.get("event") == name
+            due = wakes(run["status"], run["waiting_for_json"], name)
             sequence = db.execute(
                 "UPDATE durably_runs SET last_sequence = last_sequence + 1, "
                 "state_version = state_version + 1, updated_at = ?, "
