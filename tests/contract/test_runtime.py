@@ -736,3 +736,41 @@ def test_a_replan_racing_a_call_pauses_instead_of_repeating_it(make_app: MakeApp
     assert again.status in (RunStatus.COMPLETED, RunStatus.PAUSED)
     if again.status is RunStatus.PAUSED:
         assert again.status_reason == "non_determinism"
+
+
+def test_every_reconciliation_answer(make_app: MakeApp) -> None:
+    """running is asked again, failed is final, unresolved and a raising reconcile pause."""
+    app = make_app()
+    answers: dict[str, list[Reconciliation]] = {
+        "running_then_done": [Reconciliation.running(), Reconciliation.succeeded("ok")],
+        "failed": [Reconciliation.failed(FailureCategory.BUSINESS_REJECTED, "refused")],
+        "unresolved": [Reconciliation.unresolved("no record either way")],
+    }
+    asked = Counter[str]()
+
+    def reconcile(op: durably.Operation) -> Reconciliation:
+        which = op.arguments["which"]
+        asked[which] += 1
+        if which == "raises":
+            raise RuntimeError("lookup service down")
+        return answers[which][min(asked[which], len(answers[which])) - 1]
+
+    @app.tool(reconcile=reconcile, retry=FAST)
+    async def act(which: str) -> str:
+        raise TimeoutError
+
+    @app.workflow()
+    async def wf(which: str) -> str:
+        try:
+            return await act(which)
+        except durably.StepFailed as exc:
+            return f"failed: {exc.category}"
+
+    assert app.run(wf, "running_then_done").result == "ok"
+    assert asked["running_then_done"] == 2
+    assert app.run(wf, "failed").result == "failed: BUSINESS_REJECTED"
+    for which in ("unresolved", "raises"):
+        run = app.run(wf, which)
+        assert run.status is RunStatus.PAUSED, which
+        assert run.status_reason == "effect_state_unknown"
+        assert app.describe(run.run_id)["effects"][0]["status"] == "unknown"
