@@ -10,19 +10,22 @@ from hypothesis import strategies as st
 
 from durably.errors import NotJSONSerializable, PayloadTooLarge
 from durably.keys import canonical_json, idempotency_key, input_hash, sha256_hex
+from durably.values import MAX_JSON_DEPTH
 
+# Text a store can hold: no lone surrogates, no NUL (both refused, see below).
+storable_text = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\x00"))
 json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers()
     | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda children: st.lists(children) | st.dictionaries(st.text(), children),
+    | storable_text,
+    lambda children: st.lists(children) | st.dictionaries(storable_text, children),
     max_leaves=20,
 )
 
 
-@given(st.dictionaries(st.text(), json_values))
+@given(st.dictionaries(storable_text, json_values))
 def test_input_hash_ignores_key_order(arguments: dict[str, object]) -> None:
     reordered = dict(reversed(list(arguments.items())))
     assert input_hash("t", "1", arguments) == input_hash("t", "1", reordered)
@@ -37,8 +40,61 @@ def test_input_hash_binds_name_version_and_arguments() -> None:
 
 def test_idempotency_key_is_the_documented_formula() -> None:
     key = idempotency_key("acme", "run_1", 2, "send#1", "send")
-    assert key == sha256_hex("acme|run_1|2|send#1|send")
+    assert key == sha256_hex('["durably.idempotency_key",2,"acme","run_1",2,"send#1","send"]')
     assert key != idempotency_key("acme", "run_1", 3, "send#1", "send")
+
+
+def test_runs_recorded_under_scheme_1_keep_their_keys() -> None:
+    key = idempotency_key("acme", "run_1", 2, "send#1", "send", scheme=1)
+    assert key == sha256_hex("acme|run_1|2|send#1|send")
+
+
+@given(
+    st.lists(storable_text, min_size=4, max_size=4), st.lists(storable_text, min_size=4, max_size=4)
+)
+def test_distinct_parts_never_share_a_key(a: list[str], b: list[str]) -> None:
+    if a != b:
+        assert idempotency_key(a[0], a[1], 1, a[2], a[3]) != idempotency_key(
+            b[0], b[1], 1, b[2], b[3]
+        )
+
+
+def test_a_separator_inside_a_part_cannot_imitate_another_tenant() -> None:
+    """Scheme 1 gave tenant acme + run x|y and tenant acme|x + run y the same key."""
+    assert idempotency_key("acme", "x|y", 1, "s#1", "s", scheme=1) == idempotency_key(
+        "acme|x", "y", 1, "s#1", "s", scheme=1
+    )
+    assert idempotency_key("acme", "x|y", 1, "s#1", "s") != idempotency_key(
+        "acme|x", "y", 1, "s#1", "s"
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ({"memo": "\ud800"}, "surrogate"),
+        (["ok", "a\x00b"], "NUL"),
+        ({"k\x00": 1}, "NUL"),
+        ({"\udfff": 1}, "surrogate"),
+    ],
+)
+def test_strings_no_store_can_hold_are_refused(value: object, match: str) -> None:
+    with pytest.raises(NotJSONSerializable, match=match):
+        canonical_json(value)
+
+
+def test_nesting_is_bounded() -> None:
+    deep: object = "leaf"
+    for _ in range(MAX_JSON_DEPTH):
+        deep = [deep]
+    canonical_json(deep)
+    with pytest.raises(NotJSONSerializable, match="nests deeper than 64"):
+        canonical_json([deep])
+    very_deep: object = 1
+    for _ in range(10_000):
+        very_deep = {"a": very_deep}
+    with pytest.raises(NotJSONSerializable, match="nests deeper"):
+        canonical_json(very_deep)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from durably.app import App, Durable, Run
 from durably.checkpoint import Checkpoint, register_checkpoint_migration
-from durably.context import RunInfo, current_run, idempotency_key
+from durably.context import (
+    RunInfo,
+    check_lease,
+    current_run,
+    fenced,
+    fencing_token,
+    idempotency_key,
+)
 from durably.definitions import Budget, RetryPolicy
 from durably.errors import (
     ApprovalExpired,
@@ -92,9 +99,12 @@ __all__ = [
     "WaitTimeout",
     "approval",
     "charge",
+    "check_lease",
     "compensate",
     "crash_point",
     "current_run",
+    "fenced",
+    "fencing_token",
     "idempotency_key",
     "register_checkpoint_migration",
     "replan",

@@ -36,7 +36,13 @@ from durably.errors import (
     InvalidTransition,
     RunNotFound,
 )
-from durably.keys import DEFAULT_MAX_PAYLOAD_BYTES, canonical_json, plain_json, sha256_hex
+from durably.keys import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    KEY_SCHEME,
+    canonical_json,
+    plain_json,
+    sha256_hex,
+)
 from durably.metrics import Metrics
 from durably.reconcile import Operation
 from durably.status import FailureCategory, OperationStatus, PauseReason, RunStatus, StepStatus
@@ -55,6 +61,7 @@ from durably.store.base import (
     Transition,
 )
 from durably.subscription import Subscription
+from durably.values import MAX_TEXT_CHARS, check_id, check_text
 from durably.worker import Worker, worker_id
 
 P = ParamSpec("P")
@@ -117,6 +124,7 @@ class Durable(Generic[P, R]):
 
     def with_step_id(self, step_id: str) -> Durable[P, R]:
         """The same call under an explicit, stable step id (instead of ``<name>#<n>``)."""
+        check_text(step_id, "step id")
         if not step_id or "|" in step_id:
             raise ConfigurationError(f"step id {step_id!r} is empty or contains '|'")
         return Durable(self.definition, self.fn, step_id)
@@ -160,11 +168,15 @@ class App:
         lease_ttl: timedelta = timedelta(seconds=30),
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         secret_key: str | bytes | None = None,
+        reconcile_grace: timedelta = timedelta(seconds=5),
     ) -> None:
         self.database_url = (
             database_url or os.environ.get("DURABLY_DATABASE_URL") or DEFAULT_DATABASE_URL
         )
         self.lease_ttl = lease_ttl
+        self.reconcile_grace = reconcile_grace
+        """How long after a dead holder's lease ran out its send may still arrive: a
+        reconciliation's "not executed" for its claim is trusted only after that."""
         self.max_payload_bytes = max_payload_bytes
         secret = secret_key or os.environ.get("DURABLY_SECRET_KEY")
         # Keys the HMAC of redacted arguments. Without one configured, a random key: the
@@ -385,6 +397,9 @@ class App:
         **kwargs: Any,
     ) -> str:
         """Record a new queued run (idempotent on ``run_id``) and return its id."""
+        if run_id is not None:
+            check_id(run_id, "run id")
+        check_id(tenant, "tenant")
         wf = self._resolve_workflow(workflow)
         try:
             inspect.signature(wf.fn).bind(*args, **kwargs)
@@ -407,6 +422,7 @@ class App:
             input=run_input,
             input_json=input_json,
             input_hash=ih,
+            key_scheme=KEY_SCHEME,
         )
         record, created = await store.create_run(new)
         if not created and (record.input_hash != ih or record.tenant != tenant):
@@ -458,6 +474,7 @@ class App:
 
     async def execute_async(self, run_id: str, *, owner: str | None = None) -> Run:
         """Execute a runnable run in this process, if no live worker holds it."""
+        check_text(run_id, "run id")
         store = await self.open()
         record = await store.get_run(run_id)
         if record is None:
@@ -478,6 +495,7 @@ class App:
         return await self.get_run_async(run_id)
 
     async def get_run_async(self, run_id: str) -> Run:
+        check_text(run_id, "run id")
         store = await self.open()
         record = await store.get_run(run_id)
         if record is None:
@@ -491,6 +509,8 @@ class App:
     async def list_runs_async(
         self, *, status: RunStatus | None = None, workflow: str | None = None, limit: int = 100
     ) -> list[Run]:
+        if workflow is not None:
+            check_text(workflow, "workflow")
         store = await self.open()
         records = await store.list_runs(status=status, workflow=workflow, limit=limit)
         return [Run.from_record(r) for r in records]
@@ -518,6 +538,9 @@ class App:
         run execute it again with the same idempotency key; ``failed`` fails the call (the
         workflow sees :class:`StepFailed`). The run becomes runnable (``queued``).
         """
+        check_text(run_id, "run id")
+        check_text(step_id, "step id")
+        check_text(by, "by")
         store = await self.open()
         journal = await store.load_journal(run_id, checkpoints=runtime.CHECKPOINTS_READ)
         if journal is None:
@@ -535,7 +558,8 @@ class App:
             OperationStatus.EXECUTING,
             OperationStatus.FAILED,
         )
-        if not ops or ops[0].status not in settleable:
+        refused = bool(ops) and runtime.refused_result(ops[0]) and outcome == "succeeded"
+        if not ops or (ops[0].status not in settleable and not refused):
             found = ops[0].status.value if ops else "no effect"
             raise InvalidTransition(
                 f"step {step_id} of run {run_id} has {found}; only an unknown (or stuck) effect "
@@ -647,6 +671,7 @@ class App:
 
     async def resume_async(self, run_id: str) -> Run:
         """Make a paused run runnable again and execute it here."""
+        check_text(run_id, "run id")
         store = await self.open()
         record = await store.get_run(run_id)
         if record is None:
@@ -679,6 +704,10 @@ class App:
     async def send_event_async(
         self, run_id: str, name: str, payload: Any = None, *, event_id: str | None = None
     ) -> Literal["delivered", "duplicate ignored"]:
+        check_text(run_id, "run id")
+        check_text(name, "event name")
+        if event_id is not None:
+            check_text(event_id, "event id")
         store = await self.open()
         payload_json = canonical_json(
             payload, what=f"the payload of event {name!r}", limit=self.max_payload_bytes
@@ -709,6 +738,12 @@ class App:
         by: str = "operator",
         comment: str | None = None,
     ) -> Approval:
+        check_text(run_id, "run id")
+        if approval_id is not None:
+            check_text(approval_id, "approval id")
+        check_text(by, "by")
+        if comment is not None:
+            check_text(comment, "comment", max_chars=MAX_TEXT_CHARS, lines=True)
         store = await self.open()
         approval, expired = await store.decide_approval(run_id, approval_id, decision, by, comment)
         if expired:
@@ -753,6 +788,7 @@ class App:
         )
 
     async def cancel_async(self, run_id: str, *, compensate: bool = False) -> Run:
+        check_text(run_id, "run id")
         store = await self.open()
         record = await store.get_run(run_id)
         if record is None:
@@ -789,6 +825,7 @@ class App:
 
     async def describe_async(self, run_id: str) -> dict[str, Any]:
         """Everything about a run as plain JSON: the document behind ``runs show --json``."""
+        check_text(run_id, "run id")
         store = await self.open()
         journal = await store.load_journal(run_id, checkpoints=1)
         if journal is None:
@@ -861,6 +898,7 @@ class App:
         return self._loop.call(self.describe_async(run_id))
 
     async def events_async(self, run_id: str, *, after: int = 0) -> list[Event]:
+        check_text(run_id, "run id")
         store = await self.open()
         return await store.events(run_id, after=after)
 
@@ -869,6 +907,7 @@ class App:
         return self._loop.call(self.events_async(run_id, after=after))
 
     async def checkpoints_async(self, run_id: str) -> list[dict[str, Any]]:
+        check_text(run_id, "run id")
         store = await self.open()
         stored = await store.checkpoints(run_id)
         return [

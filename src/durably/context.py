@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from durably.errors import OutsideRunError
 
 if TYPE_CHECKING:
     from durably.runtime import RunContext
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _run: ContextVar[RunContext | None] = ContextVar("durably_run", default=None)
 _key: ContextVar[str | None] = ContextVar("durably_idempotency_key", default=None)
@@ -59,3 +65,63 @@ def idempotency_key() -> str:
             "compensate function) is executing"
         )
     return key
+
+
+def check_lease() -> None:
+    """Raise :class:`LeaseLostError` if this worker may no longer own the run.
+
+    Call it in a tool right before the request leaves (cheap: no round trip, it reads this
+    process's monotonic clock against the lease deadline). A worker paused between its
+    claim and its send (GC, SIGSTOP, a slow connect) would otherwise send after another
+    worker took the run over and settled the same call. Once raised, the run's execution
+    in this process stops; the worker that owns the run now settles the call.
+
+    Example::
+
+        @app.tool(reconcile=find_coupon)
+        def issue_coupon(customer: str) -> dict:
+            payload = build(customer)
+            durably.check_lease()
+            return shop.post("/coupons", payload)
+    """
+    active().check_lease()
+
+
+def fencing_token() -> int:
+    """The run's lease epoch: it grows each time another worker takes the run over.
+
+    Send it to a service that can refuse requests carrying a smaller token than one it has
+    already seen for the same operation (a fencing token), closing the window between
+    :func:`check_lease` and the request's arrival.
+    """
+    return active().lease.epoch
+
+
+def fenced(send: Callable[P, R]) -> Callable[P, R]:
+    """Wrap a function that sends requests so every call checks the lease first.
+
+    Inside a run it calls :func:`check_lease` before each call; outside one (unit tests,
+    scripts) it calls straight through. Works for plain and ``async def`` functions.
+
+    Example::
+
+        @durably.fenced
+        def post_json(url: str, body: dict) -> dict: ...
+    """
+    if inspect.iscoroutinefunction(send):
+
+        @functools.wraps(send)
+        async def checked_async(*args: P.args, **kwargs: P.kwargs) -> Any:
+            if _run.get() is not None:
+                check_lease()
+            return await send(*args, **kwargs)
+
+        return cast(Callable[P, R], checked_async)
+
+    @functools.wraps(send)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        if _run.get() is not None:
+            check_lease()
+        return send(*args, **kwargs)
+
+    return checked

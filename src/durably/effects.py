@@ -20,13 +20,14 @@ import socket
 import time
 import uuid
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from durably import context, faults
 from durably.definitions import ToolDef, bind_arguments, invoke
 from durably.errors import (
     ApprovalExpired,
     ApprovalRejected,
+    DurablyError,
     IdempotencyConflict,
     NonDeterminismError,
     NotJSONSerializable,
@@ -125,6 +126,7 @@ class Effect:
             ctx.plan_version,
             self.step_id,
             tool.operation_group or tool.name,
+            scheme=run.key_scheme,
         )
         ctx.replayed(self.step_id, self.position, "tool", tool.name, self.input_hash)
         recorded = ctx.steps.get(self.step_id)
@@ -194,7 +196,10 @@ class Effect:
                 )
             elif action is Action.RETURN:
                 metrics.idempotency_hit.labels(tool=self.tool.name).inc()
-                return self._recorded_result()
+                assert op is not None
+                if op.result_json is None and op.error:
+                    await self._refuse_result(op.error, record=False)
+                return json.loads(op.result_json or "null")
             elif action is Action.CLAIM:
                 assert op is not None
                 use = await self._approval() if op.attempt == 0 else None
@@ -508,6 +513,8 @@ class Effect:
         if refusal is not None:
             await self._record_failure(refusal)
             return
+        # Past the lease another worker may be reconciling this very claim: never send.
+        self.ctx.hold_lease()
         token = context._key.set(self.key)
         try:
             call = invoke(self.tool.fn, *self.args, **self.kwargs)
@@ -517,6 +524,10 @@ class Effect:
                 result = await call
         except Exception as exc:
             faults.crash_point("effect.after_call")
+            if self.ctx.stopped:
+                # The tool stopped at durably.check_lease() (or the run stopped meanwhile):
+                # nothing can be recorded from here; the run's next holder settles the call.
+                raise Suspend from exc
             await self._record_failure(exc)
             return
         finally:
@@ -530,48 +541,96 @@ class Effect:
     async def _record_success(
         self, result: Any, *, event: str = "effect_succeeded", **payload: Any
     ) -> None:
-        error = None
         try:
-            result_json: str | None = canonical_json(
+            result_json = canonical_json(
                 result,
                 what=f"the result of tool {self.tool.name} at {self.step_id}",
                 limit=self.ctx.app.max_payload_bytes,
             )
         except (NotJSONSerializable, PayloadTooLarge) as exc:
-            # The effect happened: record that, so it is never repeated, and keep the error
-            # to raise at the call site now and on every replay.
-            result_json, error = None, error_dict(exc)
+            await self._refuse_result(error_dict(exc), record=True)
         external_id = None
-        if self.tool.external_id is not None and result_json is not None:
+        if self.tool.external_id is not None:
             try:
                 external_id = str(self.tool.external_id(result))
             except Exception as exc:
                 log.warning("external_id of %s failed: %r", self.tool.name, exc)
-        await self._apply(
-            self._write(
-                OperationStatus.SUCCEEDED,
-                result_json=result_json,
-                error=error,
-                external_operation_id=external_id,
-                failure_category=None,
-            ),
-            self._step(
-                StepStatus.SUCCEEDED,
-                output_json=result_json,
-                error=error,
-                settle=result_json is not None,
-            ),
-            [
-                self._event(
-                    event,
-                    output_hash=sha256_hex(result_json) if result_json else None,
+        try:
+            await self._apply(
+                self._write(
+                    OperationStatus.SUCCEEDED,
+                    result_json=result_json,
                     external_operation_id=external_id,
-                    **payload,
-                )
-            ],
-            run=self._back_to_running(),
-            settle=result_json,
+                    failure_category=None,
+                ),
+                self._step(StepStatus.SUCCEEDED, output_json=result_json, settle=True),
+                [
+                    self._event(
+                        event,
+                        output_hash=sha256_hex(result_json),
+                        external_operation_id=external_id,
+                        **payload,
+                    )
+                ],
+                run=self._back_to_running(),
+                settle=result_json,
+            )
+        except DurablyError:
+            raise
+        except Exception as exc:
+            # The store refused a value the checks let through (a driver's own limit): the
+            # effect still happened, and must be recorded as such, never fail the run.
+            log.error(
+                "run %s: the store refused the result of %s: %r",
+                self.ctx.run.run_id,
+                self.step_id,
+                exc,
+            )
+            await self._refuse_result(
+                {"type": type(exc).__name__, "message": f"the store refused it: {exc}"},
+                record=True,
+            )
+
+    async def _refuse_result(self, error: dict[str, Any], *, record: bool) -> NoReturn:
+        """The tool took effect but its result cannot be stored: record that it happened
+        (``record``; so it is never repeated) and pause the run for an operator to give the
+        service's real outcome. Raising in the workflow instead would let it fail the run
+        for good, or let a framework swallow the error and go on without the result."""
+        ctx = self.ctx
+        await ctx.quiesce(exclude=id(self))
+        reason = PauseReason.RESULT_NOT_STORABLE
+        paused = {
+            "type": "EffectPaused",
+            "message": f"{self.tool.name} at {self.step_id} took effect, but its result cannot "
+            f"be stored ({error.get('message')}). Make the tool return plain JSON, then record "
+            "the service's real outcome: "
+            f"`durably resolve {ctx.run.run_id} {self.step_id} --succeeded --result JSON`",
+            "step_id": self.step_id,
+        }
+        waiting = {"step_id": self.step_id, "tool": self.tool.name, "idempotency_key": self.key}
+        events = [self._event("run_paused", reason=reason.value)]
+        run = RunUpdate(
+            RunStatus.PAUSED, status_reason=reason.value, error=paused, waiting_for=waiting
         )
+        if record:
+            await self._apply(
+                self._write(OperationStatus.SUCCEEDED, error=error, failure_category=None),
+                self._step(StepStatus.SUCCEEDED, error=error),
+                [self._event("effect_succeeded", output_hash=None, result_refused=error), *events],
+                run=run,
+                release=True,
+            )
+        else:
+            await ctx.commit(
+                lambda: Transition(
+                    events=events,
+                    run=run,
+                    checkpoint=ctx.journal.draft(status=RunStatus.PAUSED, current_step=None),
+                    release=True,
+                )
+            )
+        ctx.stopped = True
+        raise Suspend
 
     async def _authorize(self) -> ToolError | None:
         """Ask ``authorize=`` right before the call: a refusal is a PERMISSION failure."""
@@ -638,6 +697,18 @@ class Effect:
                 duplicates=answer.duplicates,
             )
         elif answer.answer == "not_executed":
+            early = await self._before_not_executed_is_trusted()
+            if early > 0:
+                log.info(
+                    "run %s: %s at %s reported not executed; the previous holder's send may "
+                    "still be on its way, asking again in %.1fs",
+                    self.ctx.run.run_id,
+                    self.tool.name,
+                    self.step_id,
+                    early,
+                )
+                await asyncio.sleep(early)
+                return
             if op.attempt >= self.tool.retry.max_attempts:
                 await self._pause(
                     f"{self.tool.name} at {self.step_id} was executed {op.attempt} times and "
@@ -657,6 +728,19 @@ class Effect:
             )
         else:
             await self._pause(answer.detail)
+
+    async def _before_not_executed_is_trusted(self) -> float:
+        """Seconds until a "not executed" answer can be trusted (0 if it can now).
+
+        A previous holder of the run checked its lease right before sending, but a request
+        that left just before its lease ran out can reach the service later. Its deadline
+        plus ``App(reconcile_grace=...)`` bounds that: only then does silence mean never.
+        """
+        previous = self.ctx.previous_lease_until
+        if previous is None:
+            return 0.0
+        grace = self.ctx.app.reconcile_grace.total_seconds()
+        return previous + grace - await self.ctx.store.now()
 
     async def _ask(self) -> Reconciliation:
         assert self.op is not None
@@ -741,19 +825,6 @@ class Effect:
                     self.op = op
 
     # -- results ------------------------------------------------------------------------
-
-    def _recorded_result(self) -> Any:
-        op = self.op
-        assert op is not None
-        if op.result_json is None and op.error:
-            raise NotJSONSerializable(
-                f"tool {self.tool.name} at {self.step_id} took effect but returned a value "
-                f"that could not be stored ({op.error.get('message')}); return plain JSON",
-                run_id=self.ctx.run.run_id,
-                step_id=self.step_id,
-                idempotency_key=self.key,
-            )
-        return json.loads(op.result_json or "null")
 
     def _failed(self, op: OperationRecord) -> StepFailed:
         error = op.error or {}

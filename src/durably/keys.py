@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from durably.errors import NotJSONSerializable, PayloadTooLarge
+from durably.values import check_json_value
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 
@@ -15,8 +16,10 @@ def canonical_json(value: Any, *, what: str = "value", limit: int | None = None)
     """Serialise ``value`` to canonical JSON (sorted keys, compact) or raise a typed error.
 
     A value must come back *equal* after a round trip: tuples, non-string keys and the
-    like would replay as something else than the original call saw, so they are refused.
+    like would replay as something else than the original call saw, so they are refused;
+    so are strings no store can hold and nesting past ``values.MAX_JSON_DEPTH``.
     """
+    check_json_value(value, what)
     try:
         text = json.dumps(
             value, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False
@@ -56,8 +59,40 @@ def input_hash(name: str, version: str, arguments: dict[str, Any]) -> str:
     )
 
 
+KEY_SCHEME = 2
+"""The key derivation new runs get (a run keeps the scheme it started with)."""
+
+
 def idempotency_key(
-    tenant: str, run_id: str, plan_version: int, step_id: str, operation_group: str
+    tenant: str,
+    run_id: str,
+    plan_version: int,
+    step_id: str,
+    operation_group: str,
+    *,
+    scheme: int = KEY_SCHEME,
 ) -> str:
-    """``sha256(tenant|run_id|plan_version|step_id|operation_group)`` — stable across retries."""
-    return sha256_hex("|".join((tenant, run_id, str(plan_version), step_id, operation_group)))
+    """sha256 of (tenant, run_id, plan_version, step_id, operation_group) — stable across
+    retries and recoveries, distinct for distinct parts.
+
+    Scheme 2 hashes the parts as a JSON array, so no value can imitate a boundary. Scheme 1
+    joined them with ``|`` — tenant ``a`` + run ``x|y`` and tenant ``a|x`` + run ``y`` then
+    shared a key; it is kept only to replay runs recorded under it with their original keys.
+    """
+    if scheme == 1:
+        return sha256_hex("|".join((tenant, run_id, str(plan_version), step_id, operation_group)))
+    return sha256_hex(
+        json.dumps(
+            [
+                "durably.idempotency_key",
+                scheme,
+                tenant,
+                run_id,
+                plan_version,
+                step_id,
+                operation_group,
+            ],
+            separators=(",", ":"),
+            ensure_ascii=False,
+        )
+    )

@@ -125,6 +125,12 @@ class RunContext:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this run's commits, so that checkpoints follow the order results commit in
     (parallel calls would otherwise race on separate connections)."""
+    lease_deadline: float = float("inf")
+    """``time.monotonic()`` by which the lease has run out unless renewed: the store fences
+    late writes, but only this process can stop itself from sending late."""
+    previous_lease_until: float | None = None
+    """The previous holder's lease deadline (store clock), if this execution recovered the
+    run from another holder whose sends may still be arriving."""
 
     def __post_init__(self) -> None:
         self.by_position = {s.position: s for s in self.steps.values()}
@@ -195,6 +201,36 @@ class RunContext:
             run.cancel_requested,
         )
 
+    def renewed(self, sent_at: float) -> None:
+        """The store extended the lease by a request sent at ``sent_at`` (monotonic)."""
+        self.lease_deadline = max(self.lease_deadline, sent_at + self.lease.ttl_s)
+
+    def check_lease(self) -> None:
+        """Raise if this execution must not start anything: it stopped, or this process
+        outlived its lease by its own clock (paused by GC, SIGSTOP, a slow network) and
+        another worker may already own the run and be settling the same call."""
+        if self.lost is not None:
+            raise self.lost
+        late = time.monotonic() - self.lease_deadline
+        if late >= 0:
+            error = LeaseLostError(
+                f"run {self.run.run_id}: this worker's lease ran out {late:.2f}s ago by its own "
+                "clock (the process was paused or starved); another worker may own the run "
+                "now, so nothing more is started or sent from here",
+                run_id=self.run.run_id,
+            )
+            self.stop_writing(error)
+            raise error
+
+    def hold_lease(self) -> None:
+        """:meth:`check_lease` for the runtime itself, right before a step body or a tool
+        call starts: the stop unwinds the workflow as ``Suspend``, which no ``except
+        Exception`` in workflow or framework code can swallow."""
+        try:
+            self.check_lease()
+        except DurablyError as exc:
+            raise Suspend from exc
+
     def stop_writing(self, reason: DurablyError) -> None:
         self.stopped = True
         if self.lost is None:
@@ -258,6 +294,7 @@ class RunContext:
                 self.journal.effect_completed(effect)
             self.journal.budget = self.budget()
             t = transition() if callable(transition) else transition
+            sent_at = time.monotonic()
             try:
                 committed = await (
                     self._outlast(t) if durable else self.store.commit(self.lease, t)
@@ -269,6 +306,8 @@ class RunContext:
                 self.journal = before  # refused: the journal stays as the store has it
                 raise
             self.cancel_requested = committed.cancel_requested
+            if not t.release:
+                self.renewed(sent_at)
         if t.checkpoint is not None:
             faults.crash_point("checkpoint.after_write")
         return committed
@@ -371,6 +410,9 @@ async def _run_step(
     attempt = 0
     while True:
         attempt += 1
+        # A step another worker may have recorded already is not run again (model calls
+        # cost money), nor one whose result this process could no longer record.
+        ctx.hold_lease()
         try:
             value = await invoke(sdef.fn, *args, **kwargs)
             break
@@ -448,7 +490,7 @@ def _journal_state(
     ):
         state.settle(step.step_id, step.output_json or "null")
     for op in sorted(ops, key=lambda o: o.created_at):
-        if op.status is OperationStatus.SUCCEEDED:
+        if op.status is OperationStatus.SUCCEEDED and op.result_json is not None:
             state.effect_completed(op.idempotency_key)
     return state
 
@@ -513,6 +555,8 @@ def _check_ledger_matches_journal(journal: Journal) -> None:
         settled = step.settled_sequence is not None
         if op is None:
             bad = settled
+        elif refused_result(op):
+            bad = settled  # it happened, and waits for an operator to give its outcome
         elif settled or op.status in done:
             bad = (
                 not settled
@@ -532,6 +576,11 @@ def _check_ledger_matches_journal(journal: Journal) -> None:
             )
 
 
+def refused_result(op: OperationRecord) -> bool:
+    """The operation took effect but its result could not be stored (the run paused)."""
+    return op.status is OperationStatus.SUCCEEDED and op.result_json is None and bool(op.error)
+
+
 async def load_context(app: App, claim: Claim) -> RunContext:
     """Read and verify the run's journal; raises CheckpointCorrupted if it cannot be trusted."""
     journal = await app.store.load_journal(claim.run.run_id, checkpoints=CHECKPOINTS_READ)
@@ -547,6 +596,8 @@ async def load_context(app: App, claim: Claim) -> RunContext:
         operations={o.idempotency_key: o for o in journal.operations},
         signals=list(journal.signals),
         cancel_requested=journal.run.cancel_requested,
+        lease_deadline=claim.sent_at + claim.lease.ttl_s,
+        previous_lease_until=claim.previous_lease_until,
     )
     for approval in journal.approvals:
         ctx.approvals.setdefault(approval.step_id, []).append(approval)
@@ -699,8 +750,10 @@ async def _heartbeat(ctx: RunContext) -> None:
     interval = max(ctx.lease.ttl_s / 3, 0.05)
     while True:
         await asyncio.sleep(interval)
+        sent_at = time.monotonic()
         try:
             await ctx.store.heartbeat(ctx.lease)
+            ctx.renewed(sent_at)
         except LeaseLostError as exc:
             ctx.stop_writing(exc)
             return

@@ -90,3 +90,6 @@ class PauseReason(StrEnum):
     NON_DETERMINISM = "non_determinism"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     BUDGET_EXCEEDED = "budget_exceeded"
+    RESULT_NOT_STORABLE = "result_not_storable"
+    """A tool took effect but returned a value no store can hold; an operator records the
+    service's real outcome with ``resolve --succeeded --result``."""

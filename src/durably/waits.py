@@ -35,6 +35,7 @@ from durably.store.base import (
     StepWrite,
     Transition,
 )
+from durably.values import check_text
 
 SLEEP = "durably.sleep"
 EVENT = "durably.event"
@@ -175,6 +176,7 @@ async def wait_for_event(name: str, *, timeout: float | timedelta | None = None)
     arrival order; one sent before the run reaches this call is kept for it. Raises
     :class:`WaitTimeout` if ``timeout`` passes first.
     """
+    check_text(name, "event name")
     if not name or "#" in name or "|" in name:
         raise ConfigurationError(f"event name {name!r} is empty or contains '#' or '|'")
     seconds = _seconds(timeout, "timeout")
@@ -227,6 +229,7 @@ async def approval(
 
         decision = await durably.approval("send_campaign", {"audience": 12000})
     """
+    check_text(name, "approval name")
     if not name or "#" in name or "|" in name:
         raise ConfigurationError(f"approval name {name!r} is empty or contains '#' or '|'")
     ttl = _seconds(expires_in, "expires_in")

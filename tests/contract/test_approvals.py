@@ -130,7 +130,7 @@ def test_the_store_judges_expiry_when_the_claim_consumes_it(database_url: str) -
     async def scenario() -> None:
         store = open_store(database_url)
         await store.migrate()
-        await store.create_run(NewRun("r", "default", "wf", "1", {}, "{}", "h"))
+        await store.create_run(NewRun("r", "default", "wf", "1", {}, "{}", "h", 2))
         claim = await store.claim_run("r", "w", 30)
         assert claim is not None
         request = ApprovalRequest("a1", "t#1", "tool", "t", "{}", "ih", "k", 1, 10**10)

@@ -48,7 +48,7 @@ def store(database_url: str) -> Iterator[Store]:
 
 
 def new_run(run_id: str = "r1", workflow: str = "wf") -> NewRun:
-    return NewRun(run_id, "default", workflow, "1", {"args": [], "kwargs": {}}, "{}", "h")
+    return NewRun(run_id, "default", workflow, "1", {"args": [], "kwargs": {}}, "{}", "h", 2)
 
 
 def op_write(key: str = "k1", **changes: object) -> OperationWrite:

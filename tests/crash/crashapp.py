@@ -33,7 +33,9 @@ from durably.examples.shop import ShopHTTPError, get_json, post_json
 
 LEASE_TTL_S = float(os.environ.get("CRASH_LEASE_TTL", "0.5"))
 
-app = durably.App(lease_ttl=timedelta(seconds=LEASE_TTL_S))
+app = durably.App(
+    lease_ttl=timedelta(seconds=LEASE_TTL_S), reconcile_grace=timedelta(seconds=LEASE_TTL_S)
+)
 
 
 def _shop() -> str:

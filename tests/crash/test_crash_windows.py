@@ -195,7 +195,12 @@ def test_crash_window(
     resent = point == "effect.after_call" and kind == "idempotent"
     assert shop.requests("POST", path) == (2 if resent else 1)
     asked = kind == "reconciled" and point in ("effect.after_intent", "effect.after_call")
-    assert shop.requests("GET", "/coupons") == (1 if asked else 0)
+    if asked and point == "effect.after_intent":
+        # "Not executed" for the dead process's claim is trusted only once its lease plus
+        # the reconcile grace has passed: asked again after that, unless already past it.
+        assert shop.requests("GET", "/coupons") in (1, 2)
+    else:
+        assert shop.requests("GET", "/coupons") == (1 if asked else 0)
     if resent:
         assert run["result"]["replayed"] is True
     if asked:
@@ -284,8 +289,9 @@ def test_visit_never_reached_is_not_a_crash(
 AFTER_DOUBLE_CRASH = {
     # executing (attempt 2) under an expired lease again: re-send the key once more.
     "idempotent": {"status": "completed", "posts": 2, "gets": 0},
-    # asked twice: not there (2nd process), then there (3rd process).
-    "reconciled": {"status": "completed", "posts": 1, "gets": 2},
+    # not there (2nd process, asked again once the 1st's lease plus the grace passed, if
+    # it had not already), then there (3rd process).
+    "reconciled": {"status": "completed", "posts": 1, "gets": (2, 3)},
     # the claim was committed before the call: the outcome is unknown now.
     "neither": {"status": "paused", "posts": 1, "gets": 0},
 }
@@ -314,7 +320,8 @@ def test_recovery_that_crashes_is_recovered(
     assert shop.record_ids(kind, customer) == [result_id(run["result"])]
     assert_no_ghost(harness, shop, run_id, kind, customer)
     assert shop.requests("POST", PATH[kind]) == expected["posts"]
-    assert shop.requests("GET", "/coupons") == expected["gets"]
+    gets = expected["gets"]
+    assert shop.requests("GET", "/coupons") in (gets if isinstance(gets, tuple) else (gets,))
 
 
 def test_live_lease_of_a_dead_process_is_not_taken_over(

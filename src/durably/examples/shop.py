@@ -30,6 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, Any
 
+from durably.context import fenced
+
 TRACKED_PATHS = ("/orders", "/coupons", "/emails", "/sales", "/model/draft")
 FAULT_MODES = ("reject_before", "delay_after_commit", "drop_after_commit")
 _PRODUCTS = ("espresso machine", "burr grinder", "milk frother", "pour-over kit", "travel mug")
@@ -82,10 +84,15 @@ def _request(
         raise
 
 
+@fenced
 def post_json(
     url: str, body: object, *, idempotency_key: str | None = None, timeout: float = 5.0
 ) -> dict[str, Any]:
     """POST ``body`` as JSON and return the decoded JSON object.
+
+    Fenced: inside a run it first checks that this worker still holds the run's lease
+    (``durably.check_lease()``), so a worker frozen between its claim and this request
+    never sends after another worker took the run over.
 
     Raises ShopHTTPError for 4xx/5xx, TimeoutError when no answer arrives in ``timeout``,
     ConnectionRefusedError when nothing listens, and http.client.RemoteDisconnected (a

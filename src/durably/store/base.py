@@ -60,6 +60,8 @@ class RunRecord:
     updated_at: float
     cancel_requested: int = 0
     """0: no; 1: cancel at the next boundary; 2: cancel and compensate."""
+    key_scheme: int = 1
+    """How this run's idempotency keys are derived (``keys.idempotency_key``); fixed at start."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,7 @@ class NewRun:
     input: dict[str, Any]
     input_json: str
     input_hash: str
+    key_scheme: int
 
 
 @dataclass(frozen=True)
@@ -320,6 +323,12 @@ class Claim:
     lease: Lease
     recovered: bool
     """The previous holder's lease had expired while the run was in flight."""
+    previous_lease_until: float | None = None
+    """When recovered: the previous holder's lease deadline (store clock). A send it began
+    before then may still be arriving, so a service's "not executed" is trusted only later."""
+    sent_at: float = 0.0
+    """``time.monotonic()`` just before the claim was sent: the lease runs out no earlier
+    than ``sent_at + ttl`` by this process's clock."""
 
 
 class Store(abc.ABC):
@@ -479,6 +488,7 @@ def run_from_row(r: Row) -> RunRecord:
         created_at=r["created_at"],
         updated_at=r["updated_at"],
         cancel_requested=int(r["cancel_requested"]),
+        key_scheme=int(r["key_scheme"]),
     )
 
 

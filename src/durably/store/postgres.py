@@ -214,9 +214,10 @@ class PostgresStore(Store):
                     ("BEGIN", ()),
                     (
                         "INSERT INTO durably_runs (run_id, tenant_id, workflow, "
-                        "workflow_version, status, input_json, input_hash, last_sequence, "
-                        "state_version, available_at, created_at, updated_at) VALUES (%s, %s, "
-                        f"%s, %s, 'queued', %s, %s, 1, 1, {_NOW}, {_NOW}, {_NOW}) "
+                        "workflow_version, status, input_json, input_hash, key_scheme, "
+                        "last_sequence, state_version, available_at, created_at, updated_at) "
+                        f"VALUES (%s, %s, %s, %s, 'queued', %s, %s, %s, 1, 1, {_NOW}, {_NOW}, "
+                        f"{_NOW}) "
                         "ON CONFLICT (run_id) DO NOTHING RETURNING *",
                         (
                             new.run_id,
@@ -225,6 +226,7 @@ class PostgresStore(Store):
                             new.workflow_version,
                             new.input_json,
                             new.input_hash,
+                            new.key_scheme,
                         ),
                     ),
                 ],
@@ -288,6 +290,7 @@ class PostgresStore(Store):
         )
 
         async def work(db: AsyncConn, sent: _Sent) -> Claim | None:
+            sent_at = time.monotonic()
             _, claimed = await _script(
                 db, [("BEGIN", ()), (sql, (_CLAIMABLE, *params, owner, ttl_s))]
             )
@@ -315,6 +318,8 @@ class PostgresStore(Store):
                 run=run,
                 lease=Lease(run.run_id, owner, run.lease_epoch, ttl_s),
                 recovered=recovered,
+                previous_lease_until=row["old_until"] if recovered else None,
+                sent_at=sent_at,
             )
 
         return await self._transact(work)

@@ -181,8 +181,9 @@ class SQLiteStore(Store):
                 return run_from_row(existing), False
             db.execute(
                 "INSERT INTO durably_runs (run_id, tenant_id, workflow, workflow_version, "
-                "status, input_json, input_hash, last_sequence, state_version, available_at, "
-                "created_at, updated_at) VALUES (?, ?, ?, ?, 'queued', ?, ?, 1, 1, ?, ?, ?)",
+                "status, input_json, input_hash, key_scheme, last_sequence, state_version, "
+                "available_at, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, 1, 1, ?, ?, ?)",
                 (
                     new.run_id,
                     new.tenant,
@@ -190,6 +191,7 @@ class SQLiteStore(Store):
                     new.workflow_version,
                     new.input_json,
                     new.input_hash,
+                    new.key_scheme,
                     now,
                     now,
                     now,
@@ -201,13 +203,14 @@ class SQLiteStore(Store):
             return run_from_row(created.fetchone()), True
 
     async def claim_run(self, run_id: str, owner: str, ttl_s: float) -> Claim | None:
+        sent_at, now = time.monotonic(), time.time()
         with self._tx() as db:
-            return self._claim(db, run_id, owner, ttl_s, time.time())
+            return self._claim(db, run_id, owner, ttl_s, now, sent_at)
 
     async def claim_next(self, owner: str, ttl_s: float, workflows: list[str]) -> Claim | None:
         if not workflows:
             return None
-        now = time.time()
+        sent_at, now = time.monotonic(), time.time()
         marks = ", ".join("?" for _ in workflows)
         with self._tx() as db:
             row = db.execute(
@@ -219,10 +222,16 @@ class SQLiteStore(Store):
             ).fetchone()
             if row is None:
                 return None
-            return self._claim(db, row["run_id"], owner, ttl_s, now)
+            return self._claim(db, row["run_id"], owner, ttl_s, now, sent_at)
 
     def _claim(
-        self, db: sqlite3.Connection, run_id: str, owner: str, ttl_s: float, now: float
+        self,
+        db: sqlite3.Connection,
+        run_id: str,
+        owner: str,
+        ttl_s: float,
+        now: float,
+        sent_at: float,
     ) -> Claim | None:
         before = db.execute(
             f"SELECT status, lease_owner, lease_until FROM durably_runs WHERE run_id = ? "
@@ -252,7 +261,11 @@ class SQLiteStore(Store):
             payload = {"previous_owner": before["lease_owner"], "lease_until": before[2]}
             self._insert_event(db, run_id, sequence, "run_recovered", None, payload, now)
         return Claim(
-            run=run, lease=Lease(run_id, owner, run.lease_epoch, ttl_s), recovered=recovered
+            run=run,
+            lease=Lease(run_id, owner, run.lease_epoch, ttl_s),
+            recovered=recovered,
+            previous_lease_until=before["lease_until"] if recovered else None,
+            sent_at=sent_at,
         )
 
     async def heartbeat(self, lease: Lease) -> float:

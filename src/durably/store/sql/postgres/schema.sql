@@ -26,7 +26,8 @@ CREATE TABLE durably_runs (
     available_at      DOUBLE PRECISION NOT NULL,
     created_at        DOUBLE PRECISION NOT NULL,
     updated_at        DOUBLE PRECISION NOT NULL,
-    cancel_requested  SMALLINT NOT NULL DEFAULT 0
+    cancel_requested  SMALLINT NOT NULL DEFAULT 0,
+    key_scheme        SMALLINT NOT NULL DEFAULT 1
 );
 
 -- Claims scan only runnable runs; a partial index keeps finished runs out of it.

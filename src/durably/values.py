@@ -1,0 +1,116 @@
+"""What durably accepts to store: ids, short texts and JSON values, checked before any write.
+
+A value the database cannot hold (a lone UTF-16 surrogate, which no UTF-8 encoder accepts;
+a NUL, which PostgreSQL refuses in text and JSON) must be refused where it enters, with an
+error naming it, and never discovered by the store halfway through recording an effect that
+already happened. Nesting is bounded too: every reader (the API, the CLI, ``json``) recurses.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from durably.errors import InvalidInput, NotJSONSerializable
+
+MAX_JSON_DEPTH = 64
+"""How deep arrays and objects may nest in any stored JSON value."""
+
+MAX_ID_CHARS = 128
+MAX_NAME_CHARS = 200
+MAX_TEXT_CHARS = 4000
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
+# C0 and C1 controls and DEL: they rewrite a terminal (escape sequences) or hide text.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_CONTROL_BUT_LINES = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def check_id(value: object, what: str) -> str:
+    """A run id or tenant: 1 to 128 ASCII letters, digits and ``. _ : @ -``, not starting with
+    punctuation. Ids are parts of idempotency keys, URLs and file-like names, so nothing
+    that a URL, a shell or a key derivation could read another way is accepted."""
+    if not isinstance(value, str):
+        raise InvalidInput(f"{what} must be a string, not {type(value).__name__}")
+    if not value or len(value) > MAX_ID_CHARS or not _ID.fullmatch(value):
+        raise InvalidInput(
+            f"{what} {_shown(value)} is not a valid id: use 1 to {MAX_ID_CHARS} ASCII letters, "
+            "digits and . _ : @ - (starting with a letter or digit)"
+        )
+    return value
+
+
+def check_text(
+    value: object, what: str, *, max_chars: int = MAX_NAME_CHARS, lines: bool = False
+) -> str:
+    """A name, event id, approver or comment: no control characters (``lines``: tabs and
+    newlines allowed), no lone surrogates, at most ``max_chars``."""
+    if not isinstance(value, str):
+        raise InvalidInput(f"{what} must be a string, not {type(value).__name__}")
+    if not value:
+        raise InvalidInput(f"{what} must not be empty")
+    if len(value) > max_chars:
+        raise InvalidInput(f"{what} is {len(value)} characters long; at most {max_chars} are kept")
+    if (_CONTROL_BUT_LINES if lines else _CONTROL).search(value):
+        raise InvalidInput(
+            f"{what} {_shown(value)} contains control characters; use printable text"
+        )
+    if not _encodable(value):
+        raise InvalidInput(
+            f"{what} {_shown(value)} contains a lone UTF-16 surrogate, which cannot be stored; "
+            "decode the source text properly (errors='replace')"
+        )
+    return value
+
+
+def check_json_value(value: Any, what: str) -> None:
+    """Refuse what no store can hold or no reader can walk: nesting deeper than
+    :data:`MAX_JSON_DEPTH`, and strings (values or keys) with a NUL or a lone surrogate."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            _check_json_string(item, what)
+        elif isinstance(item, dict | list | tuple):
+            if depth > MAX_JSON_DEPTH:
+                raise NotJSONSerializable(
+                    f"{what} nests deeper than {MAX_JSON_DEPTH} levels of arrays and objects; "
+                    "flatten it"
+                )
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    if isinstance(key, str):
+                        _check_json_string(key, what)
+                    stack.append((child, depth + 1))
+            else:
+                stack.extend((child, depth + 1) for child in item)
+
+
+def _check_json_string(text: str, what: str) -> None:
+    if text.isascii():
+        if "\x00" in text:
+            raise NotJSONSerializable(
+                f"{what} contains a NUL character (\\u0000), which databases cannot store in "
+                "text; remove it or encode binary data (base64)"
+            )
+        return
+    if "\x00" in text or not _encodable(text):
+        raise NotJSONSerializable(
+            f"{what} contains a NUL character or a lone UTF-16 surrogate ({_shown(text)}), "
+            "which cannot be stored; decode the source text properly (errors='replace') and "
+            "encode binary data (base64)"
+        )
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(value: str) -> str:
+    """``value`` quoted for an error message, controls and surrogates escaped, cut short."""
+    cut = value if len(value) <= 60 else value[:57] + "..."
+    return ascii(cut)

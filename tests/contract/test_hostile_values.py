@@ -1,0 +1,195 @@
+"""Values no store can hold, and ids that could forge another run's key, on both stores.
+
+An effect that happened is recorded as happened whatever its result looks like; ids and
+texts that would break the store, a terminal or the key derivation are refused where they
+enter, with an error naming them, before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import durably
+from durably import PauseReason, RunStatus
+from durably.keys import sha256_hex
+from tests.conftest import execute_sql
+
+MakeApp = Callable[..., durably.App]
+
+
+def deep(levels: int) -> Any:
+    value: Any = "leaf"
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize(
+    "returned",
+    [
+        pytest.param({"memo": "\ud800"}, id="lone-surrogate"),
+        pytest.param({"memo": "a\x00b"}, id="nul"),
+        pytest.param({"k\x00": 1}, id="nul-in-key"),
+        pytest.param(deep(300), id="nested-300"),
+        pytest.param((1, 2), id="tuple"),
+    ],
+)
+def test_an_unstorable_result_records_the_effect_and_pauses(
+    make_app: MakeApp, returned: Any
+) -> None:
+    """The email went out: the operation is succeeded (never stranded in executing), the run
+    is paused for an operator (never failed for good), and resolving it continues the run
+    with the service's real outcome, without a second send."""
+    app = make_app()
+    sent: Counter[str] = Counter()
+
+    @app.tool(idempotent=True)
+    def send_email(to: str) -> Any:
+        sent[to] += 1
+        return returned
+
+    @app.workflow()
+    async def wf() -> Any:
+        return {"mail": await send_email("a@example.com")}
+
+    run = app.run(wf)
+    assert run.status is RunStatus.PAUSED
+    assert run.status_reason == PauseReason.RESULT_NOT_STORABLE
+    assert run.error is not None
+    assert "durably resolve" in run.error["message"]
+    effect = app.describe(run.run_id)["effects"][0]
+    assert effect["status"] == "succeeded"
+    assert effect["result"] is None
+
+    again = app.resume(run.run_id)  # nothing settled yet: it pauses again, nothing re-sent
+    assert again.status is RunStatus.PAUSED
+    assert sent["a@example.com"] == 1
+
+    app.resolve_effect(run.run_id, "send_email#1", "succeeded", result={"memo": "ok"})
+    done = app.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED
+    assert done.result == {"mail": {"memo": "ok"}}
+    assert sent["a@example.com"] == 1
+
+
+@pytest.mark.parametrize("bad", ["\ud800", "a\x00b"])
+def test_unstorable_arguments_are_refused_before_the_intent(make_app: MakeApp, bad: str) -> None:
+    app = make_app()
+    sent: list[str] = []
+
+    @app.tool(idempotent=True)
+    def send_email(to: str) -> str:
+        sent.append(to)
+        return "sent"
+
+    @app.workflow()
+    async def wf() -> Any:
+        try:
+            await send_email(bad)
+        except durably.NotJSONSerializable as exc:
+            return str(exc)
+        return "accepted"
+
+    run = app.run(wf)
+    assert run.status is RunStatus.COMPLETED
+    assert "cannot be stored" in run.result or "NUL" in run.result
+    assert sent == []
+    assert app.describe(run.run_id)["effects"] == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("run_id", "x|y"),
+        ("run_id", "a/b"),
+        ("run_id", "a?b"),
+        ("run_id", ""),
+        ("run_id", "r" * 129),
+        ("run_id", "a\x00b"),
+        ("run_id", "\ud800"),
+        ("run_id", "\x1b[2J"),
+        ("tenant", "acme|x"),
+        ("tenant", "acme x"),
+        ("tenant", "é"),
+    ],
+)
+def test_ids_that_could_forge_a_key_are_refused_at_start(
+    make_app: MakeApp, database_url: str, field: str, value: str
+) -> None:
+    app = make_app()
+
+    @app.workflow()
+    async def wf() -> str:
+        return "ok"
+
+    options: dict[str, Any] = {field: value}
+    with pytest.raises(durably.InvalidInput, match="not a valid id"):
+        app.start(wf, **options)
+    assert app.list_runs() == []
+
+
+def test_each_run_keeps_the_key_scheme_it_started_with(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """New runs use the unambiguous scheme; a run recorded before it keeps its keys."""
+    app = make_app()
+
+    @app.tool(idempotent=True)
+    def send(to: str) -> str:
+        return durably.idempotency_key()
+
+    @app.workflow()
+    async def wf() -> str:
+        return await send("a")
+
+    new = app.run(wf, run_id="r-new", tenant="acme").result
+    assert new == sha256_hex('["durably.idempotency_key",2,"acme","r-new",1,"send#1","send"]')
+
+    app.start(wf, run_id="r-old", tenant="acme")
+    execute_sql(database_url, "UPDATE durably_runs SET key_scheme = 1 WHERE run_id = 'r-old'")
+    assert app.resume("r-old").result == sha256_hex("acme|r-old|1|send#1|send")
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda app, rid: app.send_event(rid, "go\x00"), id="event-name-nul"),
+        pytest.param(lambda app, rid: app.send_event(rid, "\ud800"), id="event-name-surrogate"),
+        pytest.param(lambda app, rid: app.send_event(rid, "go", {"a": "\x00"}), id="payload-nul"),
+        pytest.param(lambda app, rid: app.send_event(rid, "go", deep(100)), id="payload-deep"),
+        pytest.param(
+            lambda app, rid: app.send_event(rid, "go", event_id="e\x1b]52;c;x\x07"),
+            id="event-id-osc52",
+        ),
+        pytest.param(lambda app, rid: app.approve(rid, by="\ud800"), id="approver-surrogate"),
+        pytest.param(lambda app, rid: app.approve(rid, by="a\x00"), id="approver-nul"),
+        pytest.param(lambda app, rid: app.approve(rid, comment="\x1b[2J"), id="comment-escape"),
+        pytest.param(lambda app, rid: app.get_run(rid + "\x00"), id="lookup-nul"),
+        pytest.param(lambda app, rid: app.describe("\udc80"), id="lookup-surrogate"),
+        pytest.param(lambda app, rid: app.cancel(rid + "\x00"), id="cancel-nul"),
+        pytest.param(
+            lambda app, rid: app.resolve_effect(rid, "s\x00", "not_executed"), id="resolve-nul"
+        ),
+    ],
+)
+def test_operator_input_that_cannot_be_stored_is_refused_and_changes_nothing(
+    make_app: MakeApp, call: Callable[[durably.App, str], object]
+) -> None:
+    app = make_app()
+
+    @app.workflow()
+    async def wf() -> Any:
+        await durably.approval("plan", {"n": 1})
+        return await durably.wait_for_event("go")
+
+    run = app.run(wf)
+    assert run.status is RunStatus.WAITING_APPROVAL
+    before = [(e.sequence, e.type) for e in app.events(run.run_id)]
+    with pytest.raises(durably.DurablyError):
+        call(app, run.run_id)
+    assert [(e.sequence, e.type) for e in app.events(run.run_id)] == before
+    assert app.describe(run.run_id)["approvals"][0]["status"] == "requested"

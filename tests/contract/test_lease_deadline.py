@@ -1,0 +1,195 @@
+"""A process that outlived its lease starts nothing more, by its own clock.
+
+The store fences late writes, but a worker frozen between its claim and its send (GC,
+SIGSTOP, a slow connect) could still send: another worker may have taken the run over and
+settled the same call meanwhile. Here the freeze is an ``async`` step that blocks the event
+loop past the lease (no heartbeat can run), as a stopped process would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+
+import durably
+from durably import RunStatus
+
+MakeApp = Callable[..., durably.App]
+LEASE = timedelta(seconds=0.4)
+
+
+def frozen(seconds: float) -> None:
+    """Block the whole process's event loop, like SIGSTOP or a long GC pause."""
+    time.sleep(seconds)
+
+
+def finish_elsewhere(app: durably.App, run_id: str) -> durably.Run:
+    """What the worker taking over does: once the frozen holder's lease ran out, claim the
+    run and execute it to the end."""
+    time.sleep(LEASE.total_seconds() + 0.1)
+    return app.resume(run_id)
+
+
+@pytest.mark.parametrize("kind", ["step", "tool"])
+def test_no_step_body_or_tool_call_starts_after_the_lease_ran_out(
+    make_app: MakeApp, kind: str
+) -> None:
+    """Frozen with no commit since (which would have renewed the lease, or failed had
+    another worker taken the run): the next step body, or the tool call about to be sent,
+    does not start; the run is continued by its next holder."""
+    app = make_app(lease_ttl=LEASE)
+    calls: Counter[str] = Counter()
+    thaw = {"frozen": False}
+
+    def freeze_once() -> None:
+        if not thaw["frozen"]:
+            thaw["frozen"] = True
+            frozen(LEASE.total_seconds() * 2.5)
+
+    async def slow_authorisation(op: durably.Operation) -> bool:
+        freeze_once()  # between the claim's commit and the send
+        return True
+
+    @app.step()
+    def think() -> str:
+        calls["step"] += 1
+        return "thought"
+
+    @app.tool(idempotent=True, authorize=slow_authorisation)
+    def send() -> str:
+        calls["tool"] += 1
+        return "sent"
+
+    @app.workflow()
+    async def wf() -> str:
+        if kind == "step":
+            freeze_once()  # workflow code between calls
+            return await think()
+        return await send()
+
+    first = app.run(wf)
+    assert first.status is not RunStatus.COMPLETED
+    assert calls[kind] == 0, f"the {kind} started although the process had outlived its lease"
+
+    done = finish_elsewhere(app, first.run_id)
+    assert done.status is RunStatus.COMPLETED
+    assert calls[kind] == 1
+    assert any(e.type == "run_recovered" for e in app.events(first.run_id))
+
+
+def test_a_tool_that_checks_the_lease_before_sending_sends_nothing_late(
+    make_app: MakeApp,
+) -> None:
+    """``durably.check_lease()`` right before the request: a tool frozen past its lease
+    raises instead of sending; the next holder settles the call (here: re-sends the key)."""
+    app = make_app(lease_ttl=LEASE)
+    sent: list[str] = []
+    tokens: list[int] = []
+
+    @app.tool(idempotent=True)
+    async def send(to: str) -> str:
+        tokens.append(durably.fencing_token())
+        if len(tokens) == 1:
+            frozen(LEASE.total_seconds() * 2.5)
+        durably.check_lease()
+        sent.append(durably.idempotency_key())
+        return "sent"
+
+    @app.workflow()
+    async def wf() -> str:
+        try:
+            return await send("a@example.com")
+        except Exception as exc:  # a framework swallowing everything must not help
+            return f"swallowed {exc!r}"
+
+    first = app.run(wf)
+    assert first.status is not RunStatus.COMPLETED
+    assert sent == []
+    done = finish_elsewhere(app, first.run_id)
+    assert done.status is RunStatus.COMPLETED
+    assert done.result == "sent"
+    assert len(sent) == 1
+    assert tokens[1] > tokens[0], "the fencing token grows with every new holder"
+
+
+def test_fenced_checks_the_lease_on_every_call_and_passes_through_outside_a_run(
+    make_app: MakeApp,
+) -> None:
+    app = make_app(lease_ttl=LEASE)
+    requests: list[str] = []
+
+    @durably.fenced
+    def post(path: str) -> str:
+        requests.append(path)
+        return path
+
+    assert post("/outside") == "/outside"  # outside a run: a plain call
+
+    @app.tool(idempotent=True)
+    async def two_requests() -> str:
+        post("/first")
+        frozen(LEASE.total_seconds() * 2.5)
+        return post("/second")
+
+    @app.workflow()
+    async def wf() -> str:
+        return await two_requests()
+
+    run = app.run(wf)
+    assert run.status is not RunStatus.COMPLETED
+    assert requests == ["/outside", "/first"]
+
+
+def test_check_lease_outside_a_run_is_a_clear_error() -> None:
+    with pytest.raises(durably.OutsideRunError):
+        durably.check_lease()
+    with pytest.raises(durably.OutsideRunError):
+        durably.fencing_token()
+
+
+def test_not_executed_is_trusted_only_after_the_previous_lease_plus_the_grace(
+    make_app: MakeApp,
+) -> None:
+    """A request sent just before the lease ran out may reach the service after the next
+    holder first asks. "Not executed" for the previous holder's claim is believed only once
+    that holder's lease deadline plus ``reconcile_grace`` has passed; asked again then, the
+    service has it, and nothing is sent twice."""
+    app = make_app(lease_ttl=LEASE, reconcile_grace=timedelta(seconds=2))
+    coupons: list[str] = []  # the service's own records
+    posts: list[str] = []
+
+    def arrive(customer: str) -> None:
+        coupons.append(customer)
+
+    def find(op: durably.Operation) -> durably.Reconciliation:
+        if op.arguments["customer"] in coupons:
+            return durably.Reconciliation.succeeded({"customer": op.arguments["customer"]})
+        return durably.Reconciliation.not_executed()
+
+    @app.tool(reconcile=find)
+    async def issue_coupon(customer: str) -> dict[str, str]:
+        posts.append(customer)
+        if len(posts) == 1:
+            # The request left in time but travels slowly, and this process then freezes.
+            threading.Timer(2.0, arrive, args=(customer,)).start()
+            frozen(LEASE.total_seconds() * 2.5)
+            durably.check_lease()
+        else:
+            arrive(customer)
+        return {"customer": customer}
+
+    @app.workflow()
+    async def wf() -> dict[str, str]:
+        return await issue_coupon("c-1")
+
+    first = app.run(wf)
+    assert first.status is not RunStatus.COMPLETED
+    done = finish_elsewhere(app, first.run_id)
+    assert done.status is RunStatus.COMPLETED
+    assert coupons == ["c-1"], "a second coupon: 'not executed' was believed too early"
+    assert posts == ["c-1"]
