@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from durably.status import FailureCategory
+from durably.values import storable_text
 
 Answer = Literal["succeeded", "failed", "not_executed", "running", "unresolved"]
 
@@ -46,6 +47,10 @@ class Reconciliation:
     category: FailureCategory | None = None
     detail: str = ""
     duplicates: int = 0
+
+    def __post_init__(self) -> None:
+        # The detail is recorded with the run's pause: whatever the service said must fit.
+        object.__setattr__(self, "detail", storable_text(str(self.detail)))
 
     @classmethod
     def succeeded(cls, result: Any, *, duplicates: int = 0) -> Reconciliation:

@@ -50,6 +50,7 @@ from durably.store.base import (
     Store,
     Transition,
 )
+from durably.values import storable_text
 
 if TYPE_CHECKING:
     from durably.app import App
@@ -79,7 +80,9 @@ class Suspend(BaseException):
 
 
 def error_dict(exc: BaseException) -> dict[str, Any]:
-    return {"type": type(exc).__name__, "message": str(exc)}
+    """An exception as recorded: its message may hold anything (a NUL, a lone surrogate from
+    a cut-off response), and recording the outcome must not fail on it."""
+    return {"type": type(exc).__name__, "message": storable_text(str(exc))}
 
 
 @dataclass

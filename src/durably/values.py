@@ -86,6 +86,18 @@ def check_json_value(value: Any, what: str) -> None:
                 stack.extend((child, depth + 1) for child in item)
 
 
+def storable_text(text: str, max_chars: int = MAX_TEXT_CHARS) -> str:
+    """``text`` made storable rather than refused: for what durably records about a failure
+    (an exception's message), which must be recorded whatever it holds. NUL and lone
+    surrogates are escaped, and the text is cut at ``max_chars``."""
+    if len(text) > max_chars:
+        text = text[: max_chars - 3] + "..."
+    text = text.replace("\x00", "\\x00")
+    if not _encodable(text):
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def _check_json_string(text: str, what: str) -> None:
     if text.isascii():
         if "\x00" in text:

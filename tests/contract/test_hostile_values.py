@@ -193,3 +193,40 @@ def test_operator_input_that_cannot_be_stored_is_refused_and_changes_nothing(
         call(app, run.run_id)
     assert [(e.sequence, e.type) for e in app.events(run.run_id)] == before
     assert app.describe(run.run_id)["approvals"][0]["status"] == "requested"
+
+
+def test_a_failure_message_no_store_can_hold_is_still_recorded(make_app: MakeApp) -> None:
+    """The error a tool raised, and a reconciliation's detail, are recorded escaped: the
+    operation settles as failed / the run pauses, never stranded in executing."""
+    app = make_app()
+
+    @app.tool(idempotent=True)
+    def charge() -> str:
+        raise durably.ToolError(
+            "declined \x00 \ud800", category=durably.FailureCategory.BUSINESS_REJECTED
+        )
+
+    def ask(op: durably.Operation) -> durably.Reconciliation:
+        return durably.Reconciliation.unresolved("lookup said \x00\udc80")
+
+    @app.tool(reconcile=ask)
+    def coupon() -> str:
+        raise TimeoutError("no answer \ud800")
+
+    @app.workflow()
+    async def wf() -> str:
+        try:
+            await charge()
+        except durably.StepFailed as exc:
+            assert "declined" in exc.error_message
+        return await coupon()
+
+    run = app.run(wf)
+    assert run.status is RunStatus.PAUSED, run.error
+    assert run.status_reason == PauseReason.EFFECT_STATE_UNKNOWN
+    effects = {e["tool"]: e for e in app.describe(run.run_id)["effects"]}
+    assert effects["charge"]["status"] == "failed"
+    assert effects["charge"]["error"]["message"] == "declined \\x00 \\ud800"
+    assert effects["coupon"]["status"] == "unknown"
+    assert run.error is not None
+    assert run.error["message"] == "lookup said \\x00\\udc80"
