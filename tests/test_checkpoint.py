@@ -78,3 +78,56 @@ def test_old_schema_versions_are_migrated_on_load(monkeypatch: pytest.MonkeyPatc
     upgraded = cp.from_stored(dict(old), checksum)
     assert upgraded.schema_version == cp.CHECKPOINT_SCHEMA_VERSION
     assert upgraded.budget_snapshot == {}
+
+
+KEY = b"k" * 32
+
+
+def keyed(state: cp.JournalState, sequence: int, version: int = 1) -> tuple[dict[str, Any], str]:
+    state.key = KEY
+    return sealed(state, sequence, version)
+
+
+def test_a_secret_seals_checkpoints_and_only_its_seal_is_trusted() -> None:
+    payload, checksum = keyed(cp.JournalState("r"), 1)
+    assert checksum.startswith("hmac-sha256:")
+    assert cp.from_stored(dict(payload), checksum, KEY).run_id == "r"
+    with pytest.raises(CheckpointCorrupted, match="secret this App does not have"):
+        cp.from_stored(dict(payload), checksum)
+    with pytest.raises(CheckpointCorrupted, match="failed its checksum"):
+        cp.from_stored(dict(payload), checksum, b"another key, also 32 bytes long")
+    # A forger recomputes a plain checksum, or puts the prefix on one: neither is a seal.
+    forged = {**payload, "status": "completed"}
+    with pytest.raises(CheckpointCorrupted, match="not sealed with the App's secret"):
+        cp.from_stored(dict(forged), cp.checksum_of(forged), KEY)
+    with pytest.raises(CheckpointCorrupted, match="failed its checksum"):
+        cp.from_stored(dict(forged), "hmac-sha256:" + cp.checksum_of(forged), KEY)
+
+
+def test_with_a_secret_a_plain_newest_checkpoint_is_passed_over() -> None:
+    state = cp.JournalState("r")
+    older = keyed(state, 1, version=1)
+    state.settle("a#1", "1")
+    state.key = None
+    newest = sealed(state, 2, version=2)
+    result = cp.verify_journal(
+        [cp.SettledResult("a#1", 2, sha256_hex("1"))],
+        [newest, older],
+        lambda seq: {"a#1": sha256_hex("1")},
+        KEY,
+    )
+    assert result.anchor is not None
+    assert result.anchor.state_version == 1
+    assert result.corrupted_checkpoints == ["r:2"]
+    without = cp.verify_journal(
+        [cp.SettledResult("a#1", 2, sha256_hex("1"))], [newest, older], lambda seq: {}
+    )
+    assert without.anchor is not None
+    assert without.anchor.state_version == 2
+    assert without.corrupted_checkpoints == []
+
+
+def test_the_key_is_never_shown() -> None:
+    state = cp.JournalState("r", key=KEY)
+    draft = state.draft(status="running", current_step=None)
+    assert "kkkk" not in repr(state) + repr(draft)

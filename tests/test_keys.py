@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from durably.errors import NotJSONSerializable, PayloadTooLarge
-from durably.keys import canonical_json, idempotency_key, input_hash, sha256_hex
+from durably.keys import canonical_json, idempotency_key, input_hash, keyed_hex, sha256_hex
 from durably.values import MAX_JSON_DEPTH
 
 # Text a store can hold: no lone surrogates, no NUL (both refused, see below).
@@ -36,6 +36,25 @@ def test_input_hash_binds_name_version_and_arguments() -> None:
     assert base != input_hash("send", "2", {"to": "a"})
     assert base != input_hash("mail", "1", {"to": "a"})
     assert base != input_hash("send", "1", {"to": "b"})
+
+
+def test_a_keyed_input_hash_is_an_hmac_only_the_secret_recomputes() -> None:
+    arguments = {"account": "acct-1", "pin": "4821"}
+    key = b"k" * 32
+    keyed = input_hash("unlock", "1", arguments, key=key)
+    assert keyed == input_hash("unlock", "1", dict(reversed(arguments.items())), key=key)
+    assert keyed != input_hash("unlock", "1", arguments)
+    assert keyed != input_hash("unlock", "1", arguments, key=b"j" * 32)
+    text = canonical_json({"name": "unlock", "version": "1", "arguments": arguments})
+    assert keyed == keyed_hex(key, "input_hash", text)
+
+
+def test_one_secret_gives_unrelated_hashes_per_purpose() -> None:
+    """A redacted argument an attacker chose (say, a forged checkpoint payload) is hashed
+    under another derived key than checkpoint seals: its stored hash is never a seal."""
+    key = b"k" * 32
+    text = '{"checkpoint_id":"r:9","status":"completed"}'
+    assert keyed_hex(key, "redacted_argument", text) != keyed_hex(key, "checkpoint", text)
 
 
 def test_idempotency_key_is_the_documented_formula() -> None:

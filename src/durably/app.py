@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
 from durably import context, effects, runtime
-from durably.checkpoint import checksum_of
+from durably.checkpoint import checksum_holds
 from durably.definitions import (
     Budget,
     Classifier,
@@ -159,6 +159,17 @@ class App:
         @app.workflow(version="1")
         async def greet(name: str) -> str:
             return await shout(name)
+
+    What every process recomputes from a call alone, with no secret: idempotency keys, step
+    ids, and the input hashes of steps and of tools without ``redact=``. What needs the App's
+    secret (``secret_key=`` or ``$DURABLY_SECRET_KEY``, at least 16 random bytes, the same in
+    every process): the input hash and the stored form of a call to a tool with ``redact=``
+    (HMACs under it, so a low-entropy value cannot be found by hashing every candidate; such
+    a tool cannot be registered without a secret), and the seal of checkpoints (without a
+    secret they carry a plain checksum, which anyone who can write the database can
+    recompute). A changed secret makes in-flight calls of redacted tools conflict (the run
+    pauses) and older seals unverifiable (reported, and the journal is checked against the
+    event log instead).
     """
 
     def __init__(
@@ -178,12 +189,8 @@ class App:
         """How long after a dead holder's lease ran out its send may still arrive: a
         reconciliation's "not executed" for its claim is trusted only after that."""
         self.max_payload_bytes = max_payload_bytes
-        secret = secret_key or os.environ.get("DURABLY_SECRET_KEY")
-        # Keys the HMAC of redacted arguments. Without one configured, a random key: the
-        # stored hashes then only prove a value was there, they can't be matched later.
-        self.secret_key: bytes = (
-            secret.encode() if isinstance(secret, str) else secret or secrets.token_bytes(32)
-        )
+        self.secret_key = _secret_key(secret_key or os.environ.get("DURABLY_SECRET_KEY"))
+        """The App's secret, or None (see the class documentation)."""
         self.metrics = Metrics()
         self._workflows: dict[str, WorkflowDef] = {}
         self._steps: dict[str, StepDef] = {}
@@ -262,6 +269,9 @@ class App:
         exact input, key and plan version, valid ``approval_ttl`` and usable once.
         ``authorize=fn``: asked right before every execution (also after a long wait); a
         falsy answer or an exception is a PERMISSION failure: the run pauses, nothing is sent.
+        ``redact=[names]``: those arguments are stored, hashed and shown only as HMACs under
+        the App's secret (required), and scrubbed from the tool's error messages; naming a
+        ``**kwargs`` parameter redacts every keyword argument it gathers.
         """
 
         def register(fn: Callable[P, Any]) -> Durable[P, Any]:
@@ -274,10 +284,21 @@ class App:
                     "runs on a thread that cannot be stopped, so it would go on (and take "
                     "effect) after the timeout. Give the client its own timeout instead"
                 )
+            if isinstance(redact, str):
+                raise ConfigurationError(f"tool {tool_name}: redact= takes a list of names")
             missing = [r for r in redact if r not in signature.parameters]
             if missing:
                 raise ConfigurationError(
-                    f"tool {tool_name}: redact names unknown arguments {missing}"
+                    f"tool {tool_name}: redact= names {missing}, which are not parameters of "
+                    f"{tool_name}{signature}; name its parameters (naming a **kwargs "
+                    "parameter redacts every keyword argument it gathers)"
+                )
+            if redact and self.secret_key is None:
+                raise ConfigurationError(
+                    f"tool {tool_name}: redact= needs the App's secret, the same in every "
+                    "process: a redacted call's input hash is an HMAC under it, which a replay "
+                    "must recompute. Set $DURABLY_SECRET_KEY or pass App(secret_key=...) "
+                    f"({MIN_SECRET_BYTES}+ random bytes, e.g. `openssl rand -hex 32`)"
                 )
             d = ToolDef(
                 name=tool_name,
@@ -570,7 +591,7 @@ class App:
         op = ops[0]
         step = next(s for s in journal.steps if s.step_id == step_id)
         # Verify first: a new checkpoint over an altered journal would launder the damage.
-        journal_state, corrupted = await runtime.verified(store, journal)
+        journal_state, corrupted = await runtime.verified(store, journal, self.secret_key)
         result_json = None
         external_id: str | None = None
         error: dict[str, Any] | None = None
@@ -911,12 +932,17 @@ class App:
         store = await self.open()
         stored = await store.checkpoints(run_id)
         return [
-            {**s.payload, "checksum": s.checksum, "valid": checksum_of(s.payload) == s.checksum}
+            {
+                **s.payload,
+                "checksum": s.checksum,
+                "valid": checksum_holds(s.payload, s.checksum, self.secret_key),
+            }
             for s in stored
         ]
 
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
-        """The run's checkpoints, newest first, each with its checksum and whether it holds."""
+        """The run's checkpoints, newest first, each with its checksum and whether it holds
+        (with a secret configured, only a checksum sealed with it holds)."""
         return self._loop.call(self.checkpoints_async(run_id))
 
     def subscribe(
@@ -935,6 +961,23 @@ class App:
         """A worker that claims and executes this app's runnable runs."""
 
         return Worker(self, concurrency=concurrency, lease_ttl=lease_ttl or self.lease_ttl)
+
+
+MIN_SECRET_BYTES = 16
+
+
+def _secret_key(secret: str | bytes | None) -> bytes | None:
+    if not secret:
+        return None
+    key = secret.encode() if isinstance(secret, str) else secret
+    if len(key) < MIN_SECRET_BYTES:
+        raise ConfigurationError(
+            f"the App's secret key is {len(key)} bytes long; use at least {MIN_SECRET_BYTES} "
+            "random bytes (e.g. `openssl rand -hex 32`) in App(secret_key=...) or "
+            "$DURABLY_SECRET_KEY: it is all that keeps redacted values and checkpoint seals "
+            "from being guessed"
+        )
+    return key
 
 
 def new_run_id() -> str:

@@ -6,19 +6,28 @@ and a chained sha256 digest over them, in the order they were recorded. On resum
 checkpoint whose checksum holds is the anchor; results settled after it must each match the
 ``output_hash`` of the event that recorded them. Anything else is a corrupted journal, and the
 run pauses with ``checkpoint_corrupted`` instead of continuing from a wrong state.
+
+A plain sha256 checksum detects accidents, not a forger: anyone who can write the database
+can recompute it. When the App has a secret, checkpoints are sealed with an HMAC under it
+(checksum ``hmac-sha256:<hex>``) and only such a seal is trusted; a plain checksum is then
+treated like a failed one, and the journal is checked against the event log instead.
 """
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from durably.errors import CheckpointCorrupted
-from durably.keys import plain_json, sha256_hex
+from durably.keys import keyed_hex, plain_json, sha256_hex
 
 CHECKPOINT_SCHEMA_VERSION = 1
+
+SEALED = "hmac-sha256:"
+"""Prefix of a checksum keyed with the App's secret; a plain checksum is bare sha256 hex."""
 
 CheckpointMigration = Callable[[dict[str, Any]], dict[str, Any]]
 _migrations: dict[int, CheckpointMigration] = {}
@@ -83,20 +92,40 @@ class Checkpoint:
         return str(self.state_snapshot.get("journal_digest", ""))
 
 
-def checksum_of(payload: Mapping[str, Any]) -> str:
-    return sha256_hex(plain_json(dict(payload)))
+def checksum_of(payload: Mapping[str, Any], key: bytes | None = None) -> str:
+    """The checksum of a checkpoint payload: ``hmac-sha256:<hex>`` under ``key`` (the App's
+    secret), else the plain sha256 hex of its canonical JSON."""
+    return _checksum(plain_json(dict(payload)), key)
 
 
-def from_stored(payload: dict[str, Any], checksum: str) -> Checkpoint:
-    """Verify a stored checkpoint, then migrate it to the current schema version.
+def _checksum(text: str, key: bytes | None) -> str:
+    return sha256_hex(text) if key is None else SEALED + keyed_hex(key, "checkpoint", text)
 
-    Raises :class:`CheckpointCorrupted` if the checksum does not match what is stored.
+
+def checksum_holds(payload: Mapping[str, Any], checksum: str, key: bytes | None) -> bool:
+    """Whether ``checksum`` proves ``payload``. With a key only its seal does: a plain
+    checksum may be a forger's; without one only a plain checksum can be checked."""
+    return hmac.compare_digest(checksum_of(payload, key).encode(), checksum.encode())
+
+
+def from_stored(payload: dict[str, Any], checksum: str, key: bytes | None = None) -> Checkpoint:
+    """Verify a stored checkpoint (see :func:`checksum_holds`), then migrate it to the
+    current schema version.
+
+    Raises :class:`CheckpointCorrupted` if the checksum does not prove what is stored.
     """
-    if checksum_of(payload) != checksum:
-        raise CheckpointCorrupted(
-            f"checkpoint {payload.get('checkpoint_id')} failed its checksum",
-            run_id=payload.get("run_id"),
-        )
+    if not checksum_holds(payload, checksum, key):
+        checkpoint_id = payload.get("checkpoint_id")
+        if key is not None and not checksum.startswith(SEALED):
+            why = "is not sealed with the App's secret (a plain checksum can be forged)"
+        elif key is None and checksum.startswith(SEALED):
+            why = (
+                "is sealed with a secret this App does not have; configure the same "
+                "App(secret_key=...) or $DURABLY_SECRET_KEY in every process"
+            )
+        else:
+            why = "failed its checksum"
+        raise CheckpointCorrupted(f"checkpoint {checkpoint_id} {why}", run_id=payload.get("run_id"))
     version = int(payload["schema_version"])
     while version < CHECKPOINT_SCHEMA_VERSION:
         upgrade = _migrations.get(version)
@@ -124,6 +153,8 @@ class JournalState:
     effects_completed: int = 0
     last_effect: str | None = None
     budget: dict[str, Any] = field(default_factory=dict)
+    key: bytes | None = field(default=None, repr=False)
+    """The App's secret, which seals the checkpoints drafted from here (None: plain)."""
 
     def settle(self, step_id: str, output_json: str) -> None:
         self.length += 1
@@ -150,6 +181,7 @@ class JournalState:
             # journal digest covers every result, and a list would grow each checkpoint.
             completed_effects={"count": self.effects_completed, "last": self.last_effect},
             budget_snapshot=dict(self.budget),
+            key=self.key,
         )
 
 
@@ -164,6 +196,7 @@ class CheckpointDraft:
     pending_action: dict[str, Any] | None
     completed_effects: dict[str, Any]
     budget_snapshot: dict[str, Any]
+    key: bytes | None = field(default=None, repr=False, compare=False)
 
     def seal(self, *, state_version: int, last_event_sequence: int) -> tuple[Checkpoint, str]:
         """Complete the checkpoint inside the store's transaction: it and its payload JSON.
@@ -186,7 +219,7 @@ class CheckpointDraft:
             checksum="",
         )
         text = plain_json(unsealed.payload())
-        return replace(unsealed, checksum=sha256_hex(text)), text
+        return replace(unsealed, checksum=_checksum(text, self.key)), text
 
 
 @dataclass(frozen=True)
@@ -208,10 +241,12 @@ def verify_journal(
     results: Iterable[SettledResult],
     stored_checkpoints: Sequence[tuple[dict[str, Any], str]],
     recorded_hashes_after: Callable[[int], Mapping[str, str]],
+    key: bytes | None = None,
 ) -> Verification:
     """Check the journal against the newest checkpoint that passes its checksum.
 
-    ``stored_checkpoints`` are (payload, checksum) pairs, newest first.
+    ``stored_checkpoints`` are (payload, checksum) pairs, newest first; ``key`` is the App's
+    secret (see :func:`checksum_holds`).
     ``recorded_hashes_after(seq)`` returns ``{step_id: output_hash}`` from the events after
     ``seq``; it is only called when results were settled after the anchor.
     Raises :class:`CheckpointCorrupted` when the journal cannot be verified.
@@ -220,7 +255,7 @@ def verify_journal(
     anchor: Checkpoint | None = None
     for payload, checksum in stored_checkpoints:
         try:
-            anchor = from_stored(payload, checksum)
+            anchor = from_stored(payload, checksum, key)
             break
         except CheckpointCorrupted:
             corrupted.append(str(payload.get("checkpoint_id")))

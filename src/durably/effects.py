@@ -13,7 +13,6 @@ Commits per effect, on the happy path:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import socket
@@ -36,9 +35,16 @@ from durably.errors import (
     StepFailed,
     ToolError,
 )
-from durably.keys import canonical_json, idempotency_key, input_hash, plain_json, sha256_hex
+from durably.keys import (
+    canonical_json,
+    idempotency_key,
+    input_hash,
+    plain_json,
+    sha256_hex,
+)
 from durably.ledger import Action, OperationView, decide
 from durably.reconcile import Operation, Reconciliation
+from durably.redaction import redact, scrub
 from durably.runtime import Cancel, RunContext, Suspend, error_dict
 from durably.status import FailureCategory, OperationStatus, PauseReason, RunStatus, StepStatus
 from durably.store.base import (
@@ -85,21 +91,6 @@ def classify(tool: ToolDef, exc: BaseException) -> FailureCategory:
     return FailureCategory.UNKNOWN_OUTCOME
 
 
-def redact(tool: ToolDef, secret: bytes, arguments: dict[str, Any]) -> dict[str, Any]:
-    """Arguments as stored: the ones named in ``redact=`` replaced by an HMAC under the
-    App's secret key, which is never stored (so a low-entropy secret cannot be guessed
-    from the database)."""
-    if not tool.redact:
-        return arguments
-    stored = dict(arguments)
-    for name in tool.redact:
-        if name in stored:
-            text = canonical_json(stored[name], what=f"argument {name!r}")
-            digest = hmac.new(secret, text.encode(), "sha256").hexdigest()
-            stored[name] = {"redacted": digest}
-    return stored
-
-
 class Effect:
     """One tool call inside a run, driven through the ledger until it settles."""
 
@@ -118,7 +109,8 @@ class Effect:
         self.step_id, self.position = ctx.allocate(tool.name, explicit_step_id)
         ctx.count("tool_calls")
         self.arguments = bind_arguments(tool.signature, tool.name, args, kwargs)
-        self.input_hash = input_hash(tool.name, tool.version, self.arguments)
+        secret = ctx.app.secret_key if tool.redact else None
+        self.input_hash = input_hash(tool.name, tool.version, self.arguments, key=secret)
         run = ctx.run
         self.key = idempotency_key(
             run.tenant,
@@ -130,6 +122,11 @@ class Effect:
         )
         ctx.replayed(self.step_id, self.position, "tool", tool.name, self.input_hash)
         recorded = ctx.steps.get(self.step_id)
+        if secret is not None and recorded is not None and recorded.input_hash != self.input_hash:
+            plain = input_hash(tool.name, tool.version, self.arguments)
+            if recorded.input_hash == plain:
+                # Recorded before redacted input hashes were keyed: the same call.
+                self.input_hash = plain
         if recorded is not None and recorded.idempotency_key not in (None, self.key):
             # Same call, another key: the plan version (replan) differs from the original
             # execution at this point. Executing under the new key would repeat the effect.
@@ -144,7 +141,7 @@ class Effect:
             )
         self.op: OperationRecord | None = ctx.operations.get(self.key)
         # input_hash() already proved the arguments are plain JSON.
-        self.stored_arguments = redact(tool, ctx.app.secret_key, self.arguments)
+        self.stored_arguments = redact(tool, secret, self.arguments)
         self.arguments_json = plain_json(self.stored_arguments)
         if len(self.arguments_json) > ctx.app.max_payload_bytes:
             raise PayloadTooLarge(
@@ -647,9 +644,13 @@ class Effect:
             )
         return None
 
+    def _scrub(self, text: str) -> str:
+        """``text`` (a message a tool or a reconciler wrote) without the redacted values."""
+        return scrub(self.tool, self.arguments, text)
+
     async def _record_failure(self, exc: BaseException) -> None:
         category = classify(self.tool, exc)
-        error = error_dict(exc)
+        error: dict[str, Any] = {k: self._scrub(v) for k, v in error_dict(exc).items()}
         if isinstance(exc, ToolError) and exc.retry_after is not None:
             error["retry_after_s"] = exc.retry_after.total_seconds()
         if category is FailureCategory.UNKNOWN_OUTCOME:
@@ -657,7 +658,13 @@ class Effect:
             status = OperationStatus.UNKNOWN
         else:
             status = OperationStatus.FAILED
-        log.info("tool %s at %s: %s (%s)", self.tool.name, self.step_id, category.value, exc)
+        log.info(
+            "tool %s at %s: %s (%s)",
+            self.tool.name,
+            self.step_id,
+            category.value,
+            error["message"],
+        )
         await self._apply(
             self._write(status, error=error, failure_category=category.value),
             self._step(StepStatus(status.value), error=error),
@@ -719,7 +726,11 @@ class Effect:
             await self._claim("effect_reconciled", answer="not_executed")
         elif answer.answer == "failed":
             category = answer.category or FailureCategory.PERMANENT_INPUT
-            error = {"type": "Reconciled", "message": answer.detail, "confirmed_not_executed": True}
+            error = {
+                "type": "Reconciled",
+                "message": self._scrub(answer.detail),
+                "confirmed_not_executed": True,
+            }
             await self._apply(
                 self._write(OperationStatus.FAILED, error=error, failure_category=category.value),
                 self._step(StepStatus.FAILED, error=error),
@@ -789,7 +800,7 @@ class Effect:
         waiting = {"step_id": self.step_id, "tool": self.tool.name, "idempotency_key": self.key}
         error = {
             "type": "EffectPaused",
-            "message": detail
+            "message": self._scrub(detail)
             or (
                 "permission denied; re-authorise, then resolve or resume"
                 if permission

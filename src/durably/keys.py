@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from typing import Any
 
@@ -52,11 +53,27 @@ def sha256_hex(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def input_hash(name: str, version: str, arguments: dict[str, Any]) -> str:
-    """sha256 of the canonical JSON of a call's name, version and arguments."""
-    return sha256_hex(
-        canonical_json({"name": name, "version": version, "arguments": arguments}, what="input")
-    )
+def keyed_hex(key: bytes, purpose: str, text: str) -> str:
+    """HMAC-SHA256 of ``text`` under a key derived from ``key`` for ``purpose`` alone.
+
+    One secret serves several purposes (input hashes, redacted values, checkpoint seals);
+    deriving a key per purpose keeps a value hashed for one (a redacted argument an attacker
+    chose) from ever being a valid hash for another (the seal of a forged checkpoint).
+    """
+    derived = hmac.new(key, b"durably/" + purpose.encode(), hashlib.sha256).digest()
+    return hmac.new(derived, text.encode(), hashlib.sha256).hexdigest()
+
+
+def input_hash(
+    name: str, version: str, arguments: dict[str, Any], *, key: bytes | None = None
+) -> str:
+    """sha256 of the canonical JSON of a call's name, version and arguments.
+
+    With ``key`` (the App's secret, for a tool with ``redact=``) it is an HMAC over the same
+    JSON instead: a plain hash of a low-entropy value (a PIN) is reversed by trying them all.
+    """
+    text = canonical_json({"name": name, "version": version, "arguments": arguments}, what="input")
+    return sha256_hex(text) if key is None else keyed_hex(key, "input_hash", text)
 
 
 KEY_SCHEME = 2

@@ -485,9 +485,9 @@ def _step_failed(ctx: RunContext, step_id: str, error: dict[str, Any]) -> StepFa
 
 
 def _journal_state(
-    run_id: str, steps: list[StepRecord], ops: list[OperationRecord]
+    run_id: str, steps: list[StepRecord], ops: list[OperationRecord], key: bytes | None
 ) -> JournalState:
-    state = JournalState(run_id=run_id)
+    state = JournalState(run_id=run_id, key=key)
     for step in sorted(
         (s for s in steps if s.settled_sequence is not None), key=lambda s: s.settled_sequence or 0
     ):
@@ -498,9 +498,12 @@ def _journal_state(
     return state
 
 
-async def verified(store: Store, journal: Journal) -> tuple[JournalState, EventWrite | None]:
+async def verified(
+    store: Store, journal: Journal, key: bytes | None
+) -> tuple[JournalState, EventWrite | None]:
     """The journal's state, verified against its checkpoints (and the event log if needed).
 
+    ``key``, the App's secret, is the only seal trusted on a checkpoint and seals the next.
     Raises :class:`CheckpointCorrupted` if the journal cannot be trusted. The event returned
     (if any) reports checkpoints that failed their checksum; commit it with the next write.
     """
@@ -512,7 +515,7 @@ async def verified(store: Store, journal: Journal) -> tuple[JournalState, EventW
     ]
     stored = [(c.payload, c.checksum) for c in journal.checkpoints]
     try:
-        verification = verify_journal(settled, stored, lambda seq: {})
+        verification = verify_journal(settled, stored, lambda seq: {}, key)
     except CheckpointCorrupted:
         verification = None
     if verification is None or verification.corrupted_checkpoints:
@@ -527,9 +530,9 @@ async def verified(store: Store, journal: Journal) -> tuple[JournalState, EventW
                 if e.sequence > sequence and e.step_id and e.payload.get("output_hash")
             }
 
-        verification = verify_journal(settled, stored, from_events)
+        verification = verify_journal(settled, stored, from_events, key)
     _check_ledger_matches_journal(journal)
-    state = _journal_state(run_id, journal.steps, journal.operations)
+    state = _journal_state(run_id, journal.steps, journal.operations, key)
     if not verification.corrupted_checkpoints:
         return state, None
     anchor = verification.anchor
@@ -588,7 +591,7 @@ async def load_context(app: App, claim: Claim) -> RunContext:
     """Read and verify the run's journal; raises CheckpointCorrupted if it cannot be trusted."""
     journal = await app.store.load_journal(claim.run.run_id, checkpoints=CHECKPOINTS_READ)
     assert journal is not None, "a claimed run exists"
-    state, corrupted = await verified(app.store, journal)
+    state, corrupted = await verified(app.store, journal, app.secret_key)
     ctx = RunContext(
         app=app,
         store=app.store,

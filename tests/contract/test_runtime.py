@@ -347,7 +347,7 @@ def test_non_json_tool_result_is_recorded_as_happened(make_app: MakeApp) -> None
 
 
 def test_redacted_arguments_are_not_stored_in_clear(make_app: MakeApp, database_url: str) -> None:
-    app = make_app()
+    app = make_app(secret_key="a-test-secret-of-at-least-16-bytes")
 
     @app.tool(idempotent=True, redact=["card"])
     def pay(card: str, amount: int) -> int:
