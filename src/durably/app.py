@@ -499,7 +499,7 @@ class App:
         store = await self.open()
         record = await store.get_run(run_id)
         if record is None:
-            raise RunNotFound(f"no run {run_id!r} in {self.database_url}", run_id=run_id)
+            raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
         wf = self.workflow_def(record.workflow)
         if record.workflow_version != wf.version:
             raise ConfigurationError(
@@ -520,7 +520,7 @@ class App:
         store = await self.open()
         record = await store.get_run(run_id)
         if record is None:
-            raise RunNotFound(f"no run {run_id!r} in {self.database_url}", run_id=run_id)
+            raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
         return Run.from_record(record)
 
     def get_run(self, run_id: str) -> Run:

@@ -213,20 +213,41 @@ def test_a_failure_message_no_store_can_hold_is_still_recorded(make_app: MakeApp
     def coupon() -> str:
         raise TimeoutError("no answer \ud800")
 
+    seen: list[str] = []
+
     @app.workflow()
     async def wf() -> str:
         try:
             await charge()
         except durably.StepFailed as exc:
-            assert "declined" in exc.error_message
+            seen.append(exc.error_message)
         return await coupon()
 
     run = app.run(wf)
     assert run.status is RunStatus.PAUSED, run.error
     assert run.status_reason == PauseReason.EFFECT_STATE_UNKNOWN
+    assert seen == ["declined \\x00 \\ud800"]
     effects = {e["tool"]: e for e in app.describe(run.run_id)["effects"]}
     assert effects["charge"]["status"] == "failed"
     assert effects["charge"]["error"]["message"] == "declined \\x00 \\ud800"
     assert effects["coupon"]["status"] == "unknown"
     assert run.error is not None
     assert run.error["message"] == "lookup said \\x00\\udc80"
+
+
+def test_errors_never_show_the_database_url_or_its_password(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """Errors reach the API, the UI and logs: they name the run, never the credentials."""
+    app = make_app()
+    with pytest.raises(durably.RunNotFound) as missing:
+        app.get_run("nope")
+    assert database_url not in str(missing.value)
+    unreachable = durably.App("postgresql://durably:hunter2-secret@127.0.0.1:1/db")
+    try:
+        with pytest.raises(durably.StoreUnavailable) as down:
+            unreachable.get_run("nope")
+    finally:
+        unreachable.close()
+    assert "hunter2" not in str(down.value)
+    assert "durably:***@127.0.0.1:1" in str(down.value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -463,6 +464,15 @@ def lease_lost(lease: Lease) -> LeaseLostError:
 
 
 # -- rows to records (both backends name their columns alike) ------------------------
+
+
+def shown_url(url: str) -> str:
+    """``url`` fit for an error message, a log line or an API answer: without its password."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def run_from_row(r: Row) -> RunRecord:

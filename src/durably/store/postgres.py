@@ -55,6 +55,7 @@ from durably.store.base import (
     operation_from_row,
     pending_approval,
     run_from_row,
+    shown_url,
     signal_from_row,
     step_from_row,
     wakes,
@@ -140,7 +141,7 @@ class PostgresStore(Store):
         try:
             await pool.open(wait=True, timeout=self.connect_timeout_s)
         except Exception as exc:
-            raise StoreUnavailable(f"cannot connect to {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"cannot connect to {shown_url(self.url)}: {exc}") from exc
         self._pools[loop] = pool
         return pool
 
@@ -170,8 +171,8 @@ class PostgresStore(Store):
                     await pool.check()
                     continue
                 raise StoreUnavailable(
-                    f"the database at {self.url} failed a transaction ({exc}); the run is read "
-                    "back from the store before anything else happens"
+                    f"the database at {shown_url(self.url)} failed a transaction ({exc}); "
+                    "the run is read back from the store before anything else happens"
                 ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -985,7 +986,7 @@ class _MigrationTarget:
             with psycopg.connect(self.url) as conn:
                 yield conn
         except psycopg.OperationalError as exc:
-            raise StoreUnavailable(f"cannot migrate {self.url}: {exc}") from exc
+            raise StoreUnavailable(f"cannot migrate {shown_url(self.url)}: {exc}") from exc
 
     def schema_version(self) -> int:
         with self._connect() as conn:
