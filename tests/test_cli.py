@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import multiprocessing
 import os
+import pty
 import re
 import sqlite3
 import subprocess
@@ -18,6 +21,9 @@ import pytest
 from click.testing import CliRunner, Result
 
 from durably.cli import cli
+from durably.store import open_store
+from durably.store.migrations import migrations
+from tests.conftest import execute_sql
 
 APP_MODULE = "clitestapp"
 
@@ -591,6 +597,24 @@ def test_missing_app_is_a_clear_error(project: Path) -> None:
     assert "--app" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bogus", "runs", "list"], "No such option '--bogus'"),
+        (["start"], "Missing argument 'WORKFLOW'"),
+        (["runs", "list", "--limit", "0"], "Invalid value for '--limit'"),
+        (["nope"], "No such command 'nope'"),
+    ],
+)
+def test_usage_errors_are_error_lines_too(project: Path, args: list[str], message: str) -> None:
+    result = durably(*args)
+    assert result.exit_code == 2
+    first, *rest = result.stderr.splitlines()
+    assert first.startswith(f"error: {message}")
+    assert rest[0].startswith("Usage: durably")
+    assert result.stdout == ""
+
+
 def test_app_from_the_environment(project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DURABLY_APP", f"{APP_MODULE}:app")
     assert ok("start", "summing", "--input", "[1]", "--run-id", "s-1", app=None) == "s-1\n"
@@ -684,3 +708,188 @@ def test_console_entry_points_in_a_subprocess(project: Path) -> None:
     assert bad.returncode != 0
     assert "cannot import module 'no_such_module'" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+# -- a new SQLite file opened by several processes at once ---------------------------------
+
+RACERS = 6
+NEW_FILES = 40
+
+
+def _migrate_new_files(directory: str, barrier: Any) -> None:
+    """In a child process: for each new file, wait for every racer, then open the store and
+    migrate it, as ``durably migrate`` and every worker do on start."""
+    failures = []
+    for n in range(NEW_FILES):
+        barrier.wait(timeout=60)
+        try:
+            store = open_store(f"sqlite:///{directory}/new-{n}.db")
+            asyncio.run(store.migrate())
+            asyncio.run(store.close())
+        except BaseException as exc:
+            failures.append(f"file {n}: {type(exc).__name__}: {exc}\n")
+    Path(directory, f"failures-{os.getpid()}.txt").write_text("".join(failures))
+
+
+def test_processes_racing_to_create_one_database_all_succeed(tmp_path: Path) -> None:
+    """Six real processes open the store and migrate it (what `durably migrate` and every
+    worker do on start) on the same brand-new file at the same instant, forty times over.
+    SQLite answers "database is locked" at once, without waiting out the busy timeout, when
+    two of them switch a new file to WAL together: opening must wait or retry like every
+    other statement, never fail."""
+    # forkserver, not fork: this test process may have threads, which fork copies half-way.
+    context = multiprocessing.get_context("forkserver")
+    barrier = context.Barrier(RACERS)
+    racers = [
+        context.Process(target=_migrate_new_files, args=(str(tmp_path), barrier))
+        for _ in range(RACERS)
+    ]
+    for racer in racers:
+        racer.start()
+    for racer in racers:
+        racer.join(timeout=300)
+    assert [racer.exitcode for racer in racers] == [0] * RACERS
+    reports = sorted(tmp_path.glob("failures-*.txt"))
+    assert len(reports) == RACERS
+    assert "".join(report.read_text() for report in reports) == ""
+    for n in range(NEW_FILES):
+        with sqlite3.connect(tmp_path / f"new-{n}.db") as db:
+            assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+            applied = db.execute("SELECT version FROM durably_schema_migrations ORDER BY 1")
+            assert [v for (v,) in applied] == [m.version for m in migrations("sqlite")]
+
+
+# -- what the store holds is shown, never obeyed -------------------------------------------
+
+# Clear the screen, set the clipboard (OSC 52), ring, return and backspace over the line,
+# an 8-bit CSI, a right-to-left override and a newline that would forge a line of output.
+HOSTILE = "x\x1b[2J\x1b]52;c;aGk=\x07\r\x08\x9b1A\u202eok\nstatus    completed"
+HOSTILE_SHOWN = "x\\x1b[2J\\x1b]52;c;aGk=\\x07\\r\\x08\\x9b1A\\u202eok\\nstatus    completed"
+# What no output may contain raw: every control character but the newline, DEL, C1,
+# bidirectional controls.
+RAW = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def store_hostile_strings(project: Path) -> str:
+    """Runs whose stored strings hold terminal controls, written behind durably's back as a
+    buggy writer, an older version or a hand-edited database would leave them. Returns the
+    id of the run whose very id is hostile."""
+    ok("start", "billing", "--input", '{"amount": 3}', "--run-id", "b-1")
+    ok("start", "ordering", "--input", '{"customer": "c-1", "amount": 2}', "--run-id", "o-1")
+    ok("start", "summing", "--input", "[1]", "--run-id", "s-1")
+    ok("worker", "--until-idle")
+    url = f"sqlite:///{project / 'app.db'}"
+    error = json.dumps({"type": HOSTILE, "message": HOSTILE})
+    execute_sql(
+        url,
+        "UPDATE durably_runs SET workflow = ?, tenant_id = ?, status_reason = ?, error_json = ? "
+        "WHERE run_id = 'b-1'",
+        (HOSTILE, HOSTILE, HOSTILE, error),
+    )
+    execute_sql(url, "UPDATE durably_steps SET error_json = ? WHERE run_id = 'b-1'", (error,))
+    execute_sql(
+        url,
+        "UPDATE durably_tool_operations SET tenant_id = ?, tool_name = ?, "
+        "external_operation_id = ? WHERE run_id = 'b-1'",
+        (HOSTILE, HOSTILE, HOSTILE),
+    )
+    payload = json.dumps({"tool": "place_order", "arguments": {"customer": HOSTILE}})
+    execute_sql(url, "UPDATE durably_approvals SET payload_json = ?", (payload,))
+    execute_sql(
+        url, "UPDATE durably_runs SET result_json = ? WHERE run_id = 's-1'", (json.dumps(HOSTILE),)
+    )
+    hostile_id = "s" + HOSTILE
+    for table in ("runs", "steps", "tool_operations", "events", "checkpoints"):
+        execute_sql(
+            url, f"UPDATE durably_{table} SET run_id = ? WHERE run_id = 's-1'", (hostile_id,)
+        )
+    return hostile_id
+
+
+def assert_shown_not_obeyed(output: str) -> None:
+    assert not RAW.search(output), ascii(output)
+    assert HOSTILE_SHOWN in output, output
+
+
+def test_stored_terminal_controls_are_shown_escaped(project: Path) -> None:
+    visible_id = "s" + HOSTILE_SHOWN
+    store_hostile_strings(project)
+
+    listed = ok("runs", "list")
+    assert_shown_not_obeyed(listed)
+    # A header and one line per run: no stored newline forges another.
+    assert len(listed.splitlines()) == 4
+    assert any(line.startswith(visible_id) for line in listed.splitlines())
+
+    shown = ok("runs", "show", "b-1")
+    assert_shown_not_obeyed(shown)
+    for label in ("workflow", "status", "error"):
+        assert HOSTILE_SHOWN in next(line for line in shown.splitlines() if line.startswith(label))
+    # workflow, tenant, reason, the error's type and message, the step's, the effect's tool
+    # and external id
+    assert shown.count(HOSTILE_SHOWN) == 9
+
+    decided = ok("approve", "o-1", "--by", "alice")
+    assert not RAW.search(decided), ascii(decided)
+    assert "\\u001b[2J" in decided or "\\x1b[2J" in decided
+    assert "\\x9b1A" in decided or "\\u009b1A" in decided
+    assert "\\u202e" in decided
+
+    # What the caller typed is refused, and shown escaped.
+    refused = durably("--db", f"sqlite:///{project}/new\x1b]52;c;aGk=\x07.db", "migrate", app=None)
+    assert refused.exit_code == 1
+    assert not RAW.search(refused.output), ascii(refused.output)
+    assert "new\\x1b]52;c;aGk=\\x07.db" in refused.stderr
+    assert sorted(p.name for p in project.iterdir() if p.name.startswith("new")) == []
+
+
+def test_json_output_keeps_the_stored_strings_exactly_and_escaped(project: Path) -> None:
+    hostile_id = store_hostile_strings(project)
+    for args in (["runs", "list"], ["runs", "show", "b-1"]):
+        result = durably(*args, "--json")
+        assert result.exit_code == 0, result.output
+        assert not RAW.search(result.stdout), ascii(result.stdout)
+        document = json.loads(result.stdout)
+        if args[1] == "list":
+            assert {r["run_id"] for r in document} == {hostile_id, "b-1", "o-1"}
+        else:
+            assert (document["workflow"], document["tenant"], document["status_reason"]) == (
+                HOSTILE,
+                HOSTILE,
+                HOSTILE,
+            )
+            assert document["effects"][0]["external_operation_id"] == HOSTILE
+
+
+def test_a_real_terminal_receives_no_control_sequence(project: Path) -> None:
+    """click strips some ANSI sequences when output is not a terminal, and none when it is:
+    the output is read here from a real pseudo-terminal."""
+    store_hostile_strings(project)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DURABLY_")}
+    for args in (["runs", "list"], ["runs", "show", "b-1"]):
+        primary, secondary = pty.openpty()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "durably", "--app", f"{APP_MODULE}:app", *args],
+                cwd=project,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=secondary,
+                stderr=secondary,
+            )
+            os.close(secondary)
+            received = b""
+            while True:
+                try:
+                    chunk = os.read(primary, 65536)
+                except OSError:  # EIO: the process closed the terminal
+                    break
+                if not chunk:
+                    break
+                received += chunk
+            assert process.wait(timeout=30) == 0, received
+        finally:
+            os.close(primary)
+        # The terminal turns each \n into \r\n: those are the only controls allowed.
+        text = received.replace(b"\r\n", b"\n").decode()
+        assert_shown_not_obeyed(text)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import durably
 from durably import RunStatus
 from durably.server import create_server
+from tests.server.consoleapp import build_app
 
 with warnings.catch_warnings():
     # Starlette now prefers the httpx2 package for its TestClient; httpx is what is installed.
@@ -22,45 +22,10 @@ with warnings.catch_warnings():
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-WEBHOOK_SECRETS = ("whsec_" + "a2V5LW9uZS1mb3ItdGVzdHMtMzItYnl0ZXMhIQ==", "plain-second-secret")
-
-
-def build_app(url: str) -> durably.App:
-    """The test app: the same definitions in the server's App and the driver's."""
-    app = durably.App(url, lease_ttl=timedelta(seconds=5))
-
-    @app.step()
-    def add(a: int, b: int) -> int:
-        return a + b
-
-    @app.tool()
-    def charge(amount: int) -> dict[str, Any]:
-        raise TimeoutError("gateway timed out")
-
-    @app.tool(idempotent=True, requires_approval=True)
-    def place_order(customer: str) -> dict[str, Any]:
-        return {"customer": customer}
-
-    @app.workflow()
-    async def summing(a: int, b: int = 0) -> int:
-        return await add(a, b)
-
-    @app.workflow()
-    async def billing(amount: int) -> dict[str, Any]:
-        return await charge(amount)
-
-    @app.workflow()
-    async def ordering(customer: str) -> dict[str, Any]:
-        try:
-            return await place_order(customer=customer)
-        except durably.ApprovalRejected as exc:
-            return {"rejected_by": exc.by}
-
-    @app.workflow()
-    async def waiter() -> Any:
-        return await durably.wait_for_event("go", timeout=600)
-
-    return app
+WEBHOOK_SECRETS = (
+    "whsec_" + "a2V5LW9uZS1mb3ItdGVzdHMtMzItYnl0ZXMhIQ==",
+    "plain-second-secret-of-32-bytes!",
+)
 
 
 class Harness:
@@ -84,14 +49,25 @@ class Harness:
 
 
 def serve(
-    tmp_path: Path, *, api_token: str | None = TOKEN, secrets: tuple[str, ...] = WEBHOOK_SECRETS
+    tmp_path: Path,
+    *,
+    api_token: str | None = TOKEN,
+    secrets: tuple[str, ...] = WEBHOOK_SECRETS,
+    public_read: bool = True,
 ) -> Iterator[Harness]:
+    """The console in-process; reads are open unless ``public_read=False`` (the tests of the
+    token on reads drive a real ``durably serve``: tests/server/test_hardening.py)."""
     url = f"sqlite:///{tmp_path}/durably.db"
     driver = build_app(url)
     app = build_app(url)
-    server = create_server(app, api_token=api_token, webhook_secrets=secrets)
+    server = create_server(
+        app, api_token=api_token, webhook_secrets=secrets, public_read=public_read
+    )
     try:
-        with TestClient(server, raise_server_exceptions=False) as client:
+        # 127.0.0.1: the console answers only to its allowed Host names.
+        with TestClient(
+            server, base_url="http://127.0.0.1", raise_server_exceptions=False
+        ) as client:
             yield Harness(client, driver)
             assert client.portal is not None
             client.portal.call(app.close_async)
@@ -175,7 +151,11 @@ def test_start_errors(h: Harness) -> None:
         content=b'{"workflow": "summing", "input": [NaN]}',
         headers={**AUTH, "content-type": "application/json"},
     )
-    assert nan.status_code == 422, nan.text
+    assert nan.status_code == 400, nan.text
+    assert nan.json() == {
+        "error": "MalformedJSON",
+        "message": "NaN is not JSON: send numbers as finite decimals",
+    }
     assert start({"workflow": "summing", "input": [1], "run_id": "c-1"})[0] == 201
     status, body = start({"workflow": "summing", "input": [2], "run_id": "c-1"})
     assert (status, body["error"]) == (409, "IdempotencyConflict")
@@ -441,7 +421,7 @@ def test_metrics_show_unsettled_unknown_effects(tmp_path: Path) -> None:
 
     try:
         assert app.run(pay).status is durably.RunStatus.PAUSED
-        with TestClient(create_server(app)) as client:
+        with TestClient(create_server(app), base_url="http://127.0.0.1") as client:
             text = client.get("/metrics").text
         assert 'agent_tool_unknown_unresolved{tool="charge"} 1.0' in text
         assert 'agent_tool_unknown_oldest_seconds{tool="charge"}' in text

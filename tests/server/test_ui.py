@@ -16,7 +16,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,20 +25,12 @@ from typing import Any
 
 import pytest
 import uvicorn
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 import durably
 from durably.server import create_server
+from tests.server.browser import OffLoop
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "console.png"
 
 
@@ -69,31 +61,6 @@ def build_app(url: str, calls: dict[str, int]) -> durably.App:
         return charged
 
     return app
-
-
-class OffLoop:
-    """The test's own App over the server's database (a separate instance, like a CLI).
-
-    Playwright's sync API keeps an event loop running on the test's thread, where the App's
-    blocking methods refuse to run; each call here goes to a short-lived thread instead.
-    """
-
-    def __init__(self, app: durably.App) -> None:
-        self._app = app
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._app, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with ThreadPoolExecutor(1) as pool:
-                return pool.submit(method, *args, **kwargs).result()
-
-        return call
-
-    def work_until_idle(self) -> int:
-        with ThreadPoolExecutor(1) as pool:
-            handled: int = pool.submit(self._app.worker().run, until_idle=True).result()
-        return handled
 
 
 @dataclass
@@ -130,23 +97,6 @@ def console(tmp_path: Path) -> Iterator[Console]:
             pool.submit(app.close).result()
             # The server's App opened its store on uvicorn's (now closed) loop.
             pool.submit(asyncio.run, served.close_async()).result()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    context.set_default_timeout(10_000)
-    pg = context.new_page()
-    yield pg
-    context.close()
 
 
 def test_approve_from_the_page_and_the_run_completes(console: Console, page: Page) -> None:

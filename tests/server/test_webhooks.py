@@ -97,7 +97,7 @@ def assert_refused(h: Harness, rid: str, response: Any, status: int, text: str) 
         ("future", 401, "in the future"),
         ("timestamp not a number", 401, "unix seconds"),
         ("oversized", 413, "over"),
-        ("not json", 400, "not JSON"),
+        ("not json", 400, "not valid JSON"),
         ("not an object", 400, "JSON object"),
         ("missing name", 400, '"name"'),
         ("run id not a string", 400, '"run_id"'),

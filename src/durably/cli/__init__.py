@@ -3,7 +3,9 @@ approvals, send them events, cancel them and settle them by hand.
 
 The app comes from ``--app module:attr`` (or ``$DURABLY_APP``), the database from ``--db``
 (or ``$DURABLY_DATABASE_URL``), else the app's own URL. ``--json`` output is JSON on stdout
-only, so scripts can pipe it; every durably error is one ``error: ...`` line and exit code 1.
+only, so scripts can pipe it; every error is one ``error: ...`` line on stderr, with exit
+code 1 (a durably error) or 2 (a usage error, followed by the usage). Output for people
+shows control characters escaped, whoever stored them.
 
 The group and its shared helpers are in :mod:`durably.cli.base`, the output in
 :mod:`durably.cli.render`; the commands register themselves on import: starting and

@@ -18,7 +18,7 @@ from durably.cli.base import (
     pass_config,
     run_coro,
 )
-from durably.cli.render import echo_decision, echo_json, echo_run
+from durably.cli.render import echo, echo_decision, echo_json, echo_run
 
 Outcome = Literal["succeeded", "not_executed", "failed"]
 Decision = Literal["approved", "rejected"]
@@ -152,14 +152,15 @@ def event(
     """Send event NAME to run RUN_ID, once per event id. A run waiting in
     wait_for_event(NAME) becomes due and a worker continues it; an event sent earlier is
     kept for that wait. Prints `delivered` or `duplicate ignored`."""
-    # Chosen here, not by the app, so --json can show it and a caller can re-send it.
-    eid = event_id or uuid.uuid4().hex
+    # Chosen here, not by the app, so --json can show it and a caller can re-send it. An
+    # empty --event-id is the caller's mistake, refused by the app, not a request for one.
+    eid = uuid.uuid4().hex if event_id is None else event_id
     app = config.app()
     result = run_coro(app, lambda: app.send_event_async(run_id, name, payload, event_id=eid))
     if as_json:
         echo_json({"run_id": run_id, "name": name, "event_id": eid, "result": result})
     else:
-        click.echo(result)
+        echo(result)
 
 
 @cli.command()
@@ -179,7 +180,7 @@ def cancel(config: Config, run_id: str, compensate: bool, as_json: bool) -> None
     run = run_coro(app, lambda: app.cancel_async(run_id, compensate=compensate))
     echo_run(run, as_json)
     if not as_json and not run.status.is_final:
-        click.echo(
+        echo(
             f"note: a worker holds {run.run_id}; it cancels the run at its next call boundary "
             f"(check with `durably runs show {run.run_id}`)"
         )

@@ -1,10 +1,18 @@
 """How the commands print: JSON on stdout for ``--json``, else tables and labelled lines
-for people, with times in UTC."""
+for people, with times in UTC.
+
+Everything shown comes from the store, where anyone who could start a run or send an event
+put it: a control character in a run id, an error message or a payload would be obeyed by
+the terminal (clear the screen, set the clipboard with OSC 52, rewrite a line). So every
+line for people goes through :func:`echo`, which shows such characters as Python escapes
+(``\\x1b``), and JSON escapes them as ``\\u001b``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -15,9 +23,29 @@ from durably.app import Run
 from durably.status import RunStatus
 from durably.store.base import Approval
 
+# C0 and C1 controls and DEL (terminal commands), bidirectional overrides and isolates and
+# line separators (they reorder or split what is shown), and lone surrogates (which no
+# terminal encoding can print).
+_BEYOND_C0 = r"\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff"
+_UNSAFE = re.compile(rf"[\x00-\x1f{_BEYOND_C0}]")
+# json escapes C0 controls itself, and its own newlines and indents are the layout.
+_UNSAFE_IN_JSON = re.compile(f"[{_BEYOND_C0}]")
+
+
+def visible(text: str) -> str:
+    """``text`` with every character a terminal would obey shown as its Python escape."""
+    return _UNSAFE.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def echo(line: str = "", *, err: bool = False) -> None:
+    """Print one line for people (see the module docstring)."""
+    click.echo(visible(line), err=err)
+
 
 def echo_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False))
+    text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+    # These occur only inside strings, where \uXXXX is the same JSON value.
+    click.echo(_UNSAFE_IN_JSON.sub(lambda m: f"\\u{ord(m.group()):04x}", text))
 
 
 def format_time(ts: float) -> str:
@@ -49,12 +77,13 @@ def run_json(run: Run) -> dict[str, Any]:
 
 def table(headers: list[str], rows: list[list[Any]], empty: str = "(none)") -> None:
     if not rows:
-        click.echo(empty)
+        echo(empty)
         return
-    rows = [["-" if cell is None else str(cell) for cell in row] for row in rows]
+    # Escaped before measuring, so that the columns line up with what is shown.
+    rows = [["-" if cell is None else visible(str(cell)) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
     for row in [headers, *rows]:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def error_text(error: dict[str, Any] | None) -> str:
@@ -64,7 +93,7 @@ def error_text(error: dict[str, Any] | None) -> str:
 
 
 def _labelled(label: str, value: str) -> None:
-    click.echo(f"{label:<10} {value}")
+    echo(f"{label:<10} {value}")
 
 
 def _approval_subject(approval: Approval) -> tuple[str, str]:
@@ -106,8 +135,8 @@ def echo_run(run: Run, as_json: bool) -> None:
         return
     shown = run.status_reason and run.status_reason != run.status.value
     reason = f" ({run.status_reason})" if shown else ""
-    click.echo(f"{run.run_id}: {run.status.value}{reason}")
+    echo(f"{run.run_id}: {run.status.value}{reason}")
     if run.status is RunStatus.COMPLETED:
-        click.echo(f"result: {json.dumps(run.result, ensure_ascii=False)}")
+        echo(f"result: {json.dumps(run.result, ensure_ascii=False)}")
     elif run.error:
-        click.echo(f"error: {error_text(run.error)}")
+        echo(f"error: {error_text(run.error)}")

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from durably.cli.base import Config, cli, parse_json, pass_config, run_coro
-from durably.cli.render import echo_json, error_text, expiry, format_time, run_json, table
+from durably.cli.render import echo, echo_json, error_text, expiry, format_time, run_json, table
 from durably.status import RunStatus
 
 
@@ -39,7 +39,11 @@ def start(config: Config, workflow: str, input_: Any, run_id: str | None, tenant
     rid = run_coro(
         app, lambda: app.start_async(workflow, *args, run_id=run_id, tenant=tenant, **kwargs)
     )
-    click.echo(rid)
+    echo(rid)
+
+
+MAX_LIMIT = 100_000
+"""Runs one ``runs list`` loads at most: all of them are held in memory at once."""
 
 
 @cli.group()
@@ -52,7 +56,13 @@ def runs() -> None:
     "--status", type=click.Choice([s.value for s in RunStatus]), help="Only runs in this status."
 )
 @click.option("--workflow", help="Only runs of this workflow.")
-@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, MAX_LIMIT),
+    default=100,
+    show_default=True,
+    help="How many runs at most.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of runs.")
 @pass_config
 def list_runs(
@@ -86,27 +96,29 @@ def show_run(config: Config, run_id: str, as_json: bool) -> None:
         echo_json(doc)
         return
     reason = f" ({doc['status_reason']})" if doc["status_reason"] else ""
-    click.echo(f"run       {doc['run_id']}")
-    click.echo(f"workflow  {doc['workflow']} v{doc['workflow_version']}  tenant {doc['tenant']}")
-    click.echo(f"status    {doc['status']}{reason}")
-    click.echo(f"updated   {format_time(doc['updated_at'])}")
+    echo(f"run       {doc['run_id']}")
+    echo(f"workflow  {doc['workflow']} v{doc['workflow_version']}  tenant {doc['tenant']}")
+    echo(f"status    {doc['status']}{reason}")
+    echo(f"updated   {format_time(doc['updated_at'])}")
     if doc["status"] == RunStatus.COMPLETED.value:
-        click.echo(f"result    {json.dumps(doc['result'], ensure_ascii=False)}")
+        echo(f"result    {json.dumps(doc['result'], ensure_ascii=False)}")
     if doc["error"]:
-        click.echo(f"error     {error_text(doc['error'])}")
+        echo(f"error     {error_text(doc['error'])}")
     waiting = doc["waiting_for"] or {}
     if doc["status"] == RunStatus.WAITING_APPROVAL.value and waiting.get("approval_id"):
-        click.echo(
+        echo(
             f"waiting   approval {waiting['approval_id']}: `durably approve {doc['run_id']}` "
             f"or `durably reject {doc['run_id']}`"
         )
-    click.echo("\nsteps:")
+    echo()
+    echo("steps:")
     steps = [
         [s["step_id"], s["kind"], s["status"], str(s["attempts"]), error_text(s["error"])]
         for s in doc["steps"]
     ]
     table(["STEP", "KIND", "STATUS", "ATTEMPTS", "ERROR"], steps)
-    click.echo("\neffects:")
+    echo()
+    echo("effects:")
     effects = [
         [
             e["step_id"],
@@ -118,7 +130,8 @@ def show_run(config: Config, run_id: str, as_json: bool) -> None:
         for e in doc["effects"]
     ]
     table(["STEP", "TOOL", "STATUS", "KEY", "EXTERNAL ID"], effects)
-    click.echo("\napprovals:")
+    echo()
+    echo("approvals:")
     # How long is left matters only while the approval can still be decided or used.
     live = ("requested", "approved")
     approvals = [

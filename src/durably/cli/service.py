@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -12,20 +13,40 @@ import click
 
 from durably.app import App
 from durably.cli.base import Config, cli, pass_config, run_coro
+from durably.cli.render import echo
+from durably.server.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT,
+)
+
+MAX_CONCURRENCY = 1000
+"""Runs one worker process executes at once, at most; beyond, run more processes."""
+
+MAX_LEASE_TTL_S = 86400.0
+"""The longest lease, a day: a dead worker's runs wait that long before recovery."""
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    # FloatRange lets NaN through: it compares false with both bounds.
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number of seconds")
+    return value
 
 
 @cli.command()
 @click.option("--until-idle", is_flag=True, help="Exit once no run is runnable now.")
 @click.option(
     "--concurrency",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, MAX_CONCURRENCY),
     default=1,
     show_default=True,
     help="Runs executed at the same time.",
 )
 @click.option(
     "--lease-ttl",
-    type=click.FloatRange(min=0, min_open=True),
+    type=click.FloatRange(min=0, max=MAX_LEASE_TTL_S, min_open=True),
+    callback=_finite,
     envvar="DURABLY_LEASE_TTL",
     metavar="SECONDS",
     help="Lease length; a dead worker's runs are recovered after it "
@@ -39,7 +60,7 @@ def worker(config: Config, until_idle: bool, concurrency: int, lease_ttl: float 
     ttl = app.lease_ttl if lease_ttl is None else timedelta(seconds=lease_ttl)
     w = app.worker(concurrency=concurrency, lease_ttl=ttl)
     executed = run_coro(app, lambda: w.run_async(until_idle=until_idle))
-    click.echo(f"durably worker {w.worker_id}: executed {executed} run(s)", err=True)
+    echo(f"durably worker {w.worker_id}: executed {executed} run(s)", err=True)
 
 
 @cli.command()
@@ -62,12 +83,13 @@ def migrate(config: Config) -> None:
 
     applied = asyncio.run(apply())
     if applied:
-        click.echo(f"{url}: applied migration(s) {', '.join(map(str, applied))}")
+        echo(f"{url}: applied migration(s) {', '.join(map(str, applied))}")
     else:
-        click.echo(f"{url}: schema up to date, nothing to apply")
+        echo(f"{url}: schema up to date, nothing to apply")
 
 
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+_WILDCARD = frozenset({"0.0.0.0", "::", ""})
 
 
 @cli.command()
@@ -75,41 +97,103 @@ _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 @click.option(
     "--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="TCP port."
 )
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="A Host name clients use to reach the console (repeatable; also the comma-separated "
+    "$DURABLY_ALLOWED_HOSTS). Always allowed: the --host address, localhost, 127.0.0.1, ::1; "
+    "any other Host is refused (DNS rebinding).",
+)
+@click.option(
+    "--public-read",
+    is_flag=True,
+    help="With $DURABLY_API_TOKEN: let anyone who can connect read runs, inputs and results "
+    "without the token (by default the token guards reads too).",
+)
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_BODY_BYTES,
+    show_default=True,
+    help="Largest request body accepted (413 beyond; refused before it is read).",
+)
+@click.option(
+    "--read-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_READ_TIMEOUT,
+    show_default=True,
+    metavar="SECONDS",
+    help="Time a client has to send its request headers, and then its body.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_CONNECTIONS,
+    show_default=True,
+    help="Connections served at once; requests beyond get 503.",
+)
 @pass_config
-def serve(config: Config, host: str, port: int) -> None:
-    """Serve the console: JSON API (/api, OpenAPI at /docs), signed webhooks
+def serve(
+    config: Config,
+    host: str,
+    port: int,
+    allowed_hosts: tuple[str, ...],
+    public_read: bool,
+    max_body_bytes: int,
+    read_timeout: float,
+    max_connections: int,
+) -> None:
+    """Serve the console: JSON API (/api, OpenAPI at /openapi.json), signed webhooks
     (/webhooks/events), web UI (/) and Prometheus metrics (/metrics).
 
-    Mutating requests need `Authorization: Bearer $DURABLY_API_TOKEN`; without a token the
-    server listens on 127.0.0.1 only. Webhooks are verified with the comma-separated
-    secrets in $DURABLY_WEBHOOK_SECRETS (several during a rotation)."""
-    import uvicorn
-
+    With $DURABLY_API_TOKEN every request but /api/health needs `Authorization: Bearer
+    $DURABLY_API_TOKEN` (reads too, unless --public-read); without a token the server listens
+    on loopback only and local callers may read and act. Webhooks are verified with the
+    comma-separated secrets in $DURABLY_WEBHOOK_SECRETS (several during a rotation; each at
+    least 24 bytes)."""
     from durably.server import create_server
+    from durably.server.listener import serve as listen
 
     token = os.environ.get("DURABLY_API_TOKEN") or None
-    secrets = [
-        s.strip() for s in os.environ.get("DURABLY_WEBHOOK_SECRETS", "").split(",") if s.strip()
-    ]
+    secrets = _split(os.environ.get("DURABLY_WEBHOOK_SECRETS", ""))
     if token is None and host not in _LOOPBACK:
         raise click.UsageError(
             f"refusing to listen on {host} without an API token: anyone who can reach it could "
-            "approve, resolve and cancel runs. Set $DURABLY_API_TOKEN, or omit --host: without "
-            "a token durably serve listens on 127.0.0.1 only"
+            "read and approve, resolve and cancel runs. Set $DURABLY_API_TOKEN, or omit --host: "
+            "without a token durably serve listens on 127.0.0.1 only"
         )
+    names = [*allowed_hosts, *_split(os.environ.get("DURABLY_ALLOWED_HOSTS", ""))]
+    if host not in _WILDCARD:
+        names.append(host)
     app = config.app()
-    if token is None:
-        click.echo(
-            "durably serve: no $DURABLY_API_TOKEN, so listening on 127.0.0.1 only "
-            "(local callers may change runs)",
-            err=True,
-        )
+    server = create_server(
+        app,
+        api_token=token,
+        webhook_secrets=secrets,
+        allowed_hosts=names,
+        public_read=public_read,
+        max_body_bytes=max_body_bytes,
+        read_timeout=read_timeout,
+    )
+    served = server.state.settings
+    echo(f"durably serve: {served.scope_label}", err=True)
+    echo(
+        "durably serve: answering to Host "
+        + ", ".join(sorted(served.allowed_hosts))
+        + " (add names with --allowed-host)",
+        err=True,
+    )
     if not secrets:
-        click.echo(
+        echo(
             "durably serve: no $DURABLY_WEBHOOK_SECRETS; /webhooks/events answers 503", err=True
         )
-    server = create_server(app, api_token=token, webhook_secrets=secrets)
-    uvicorn.run(server, host=host, port=port)
+    listen(server, host=host, port=port, max_connections=max_connections)
+
+
+def _split(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
 
 
 @cli.command()

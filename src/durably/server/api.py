@@ -1,101 +1,29 @@
 """The JSON API: the CLI's operations over HTTP, plus ``/metrics`` and ``/api/health``.
 
-Reads are open; every mutating endpoint needs the bearer token (:func:`require_token`).
-durably's errors become JSON ``{"error": <type>, "message": <what to do>}`` with a 4xx
-status (404 unknown run, 409 wrong state or conflicting input, 422 unusable input), so bad
-input never yields a 5xx.
+Who may call what is decided before a route runs (:mod:`durably.server.guard`): every
+mutating endpoint needs the bearer token, reads too unless they are open. durably's errors
+become JSON ``{"error": <type>, "message": <what to do>}`` with a 4xx status (404 unknown
+run, 409 wrong state or conflicting input, 413/422 unusable input; :mod:`.errors`), so bad
+input never yields a 5xx. Request bodies are validated strictly: no coercion, no extra keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+import logging
 from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
+from fastapi import APIRouter, Depends, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from durably.app import App, Run
-from durably.errors import (
-    ApprovalExpired,
-    ConfigurationError,
-    DurablyError,
-    IdempotencyConflict,
-    InvalidInput,
-    InvalidTransition,
-    NotJSONSerializable,
-    PayloadTooLarge,
-    RunNotFound,
-    StoreUnavailable,
-)
-from durably.server.settings import durably_app, require_token
+from durably.errors import DurablyError, InvalidInput
+from durably.server.errors import DurablyRoute, ErrorOut, error_response
+from durably.server.settings import durably_app
 from durably.status import RunStatus
 from durably.store.base import Approval, Event
-
-# -- errors -------------------------------------------------------------------------------
-
-_STATUS: tuple[tuple[type[DurablyError], int], ...] = (
-    (RunNotFound, 404),
-    (InvalidTransition, 409),
-    (IdempotencyConflict, 409),
-    (ApprovalExpired, 409),
-    (ConfigurationError, 422),
-    (InvalidInput, 422),
-    (NotJSONSerializable, 422),
-    (PayloadTooLarge, 422),
-    (StoreUnavailable, 503),
-)
-
-
-class ErrorOut(BaseModel):
-    error: str = Field(description="The durably error type, e.g. RunNotFound.")
-    message: str = Field(description="What went wrong and what to do next.")
-
-
-def status_of(exc: DurablyError) -> int:
-    for kind, status in _STATUS:
-        if isinstance(exc, kind):
-            return status
-    return 500
-
-
-def error_response(status: int, error: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": error, "message": message})
-
-
-def durably_error_response(exc: DurablyError) -> JSONResponse:
-    return error_response(status_of(exc), type(exc).__name__, str(exc))
-
-
-class ApiError(Exception):
-    """Raised by an endpoint to answer ``{"error", "message"}`` with ``status``."""
-
-    def __init__(self, status: int, error: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.error = error
-        self.message = message
-
-
-class DurablyRoute(APIRoute):
-    """A route whose durably errors (and ApiErrors) become ``{"error", "message"}`` JSON."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except DurablyError as exc:
-                return durably_error_response(exc)
-            except ApiError as exc:
-                return error_response(exc.status, exc.error, exc.message)
-
-        return route
-
+from durably.values import MAX_JSON_DEPTH
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorOut, "description": "No run with this id."},
@@ -103,15 +31,43 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 _MUTATING: dict[int | str, dict[str, Any]] = {
     **_ERRORS,
-    401: {"description": "Missing or wrong bearer token."},
+    401: {"model": ErrorOut, "description": "Missing or wrong bearer token."},
+    422: {"model": ErrorOut, "description": "Unusable input."},
 }
+
+log = logging.getLogger("durably.server")
 
 router = APIRouter(route_class=DurablyRoute)
 
 AppDep = Annotated[App, Depends(durably_app)]
-Authorized = [Depends(require_token)]
+# Mutating bodies: a string is never a bool ("yes"), a number never a string, no extra keys.
+_STRICT = ConfigDict(extra="forbid", strict=True)
 
 # -- models -------------------------------------------------------------------------------
+
+_TOO_DEEP = f"(nested deeper than {MAX_JSON_DEPTH} levels: not shown; see the database)"
+
+
+def clip_deep(value: Any, depth: int = 1) -> Any:
+    """``value`` with what nests deeper than ``MAX_JSON_DEPTH`` replaced by a note.
+
+    New values cannot nest that deep (the core refuses them), but rows stored before the
+    limit can, and every serializer recurses: one such run must not break the run list.
+    """
+    if isinstance(value, dict):
+        if depth > MAX_JSON_DEPTH:
+            return _TOO_DEEP
+        return {k: clip_deep(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        if depth > MAX_JSON_DEPTH:
+            return _TOO_DEEP
+        return [clip_deep(v, depth + 1) for v in value]
+    return value
+
+
+Stored = Annotated[Any, BeforeValidator(clip_deep)]
+"""A JSON value read from the store."""
+StoredObject = Annotated[dict[str, Any], BeforeValidator(clip_deep)]
 
 
 class RunOut(BaseModel):
@@ -119,9 +75,9 @@ class RunOut(BaseModel):
     workflow: str
     status: RunStatus
     status_reason: str | None
-    result: Any = Field(description="The workflow's return value once completed.")
-    error: dict[str, Any] | None
-    waiting_for: dict[str, Any] | None
+    result: Stored = Field(description="The workflow's return value once completed.")
+    error: StoredObject | None
+    waiting_for: StoredObject | None
     tenant: str
     created_at: float
     updated_at: float
@@ -137,8 +93,8 @@ class StepOut(BaseModel):
     name: str
     status: str
     attempts: int
-    output: Any
-    error: dict[str, Any] | None
+    output: Stored
+    error: StoredObject | None
 
 
 class EffectOut(BaseModel):
@@ -147,12 +103,12 @@ class EffectOut(BaseModel):
     status: str
     idempotency_key: str
     input_hash: str
-    arguments: Any
+    arguments: Stored
     external_operation_id: str | None
     attempt: int
     failure_category: str | None
-    result: Any
-    error: dict[str, Any] | None
+    result: Stored
+    error: StoredObject | None
 
 
 class ApprovalSummary(BaseModel):
@@ -161,7 +117,7 @@ class ApprovalSummary(BaseModel):
     kind: str
     name: str
     status: str
-    payload: Any
+    payload: Stored
     input_hash: str
     idempotency_key: str | None
     plan_version: int
@@ -227,7 +183,7 @@ class EventOut(BaseModel):
     event_id: str
     type: str
     step_id: str | None
-    payload: dict[str, Any]
+    payload: StoredObject
     created_at: float
 
     @classmethod
@@ -251,9 +207,9 @@ class RunDetail(BaseModel):
     tenant: str
     status: RunStatus
     status_reason: str | None
-    result: Any
-    error: dict[str, Any] | None
-    waiting_for: dict[str, Any] | None
+    result: Stored
+    error: StoredObject | None
+    waiting_for: StoredObject | None
     created_at: float
     updated_at: float
     steps: list[StepOut]
@@ -269,7 +225,7 @@ _Text = Annotated[str, Field(max_length=10_000)]
 
 
 class StartIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     workflow: _Id = Field(description="The workflow's registered name.")
     input: dict[str, Any] | list[Any] | None = Field(
@@ -283,7 +239,7 @@ class StartIn(BaseModel):
 
 
 class DecisionIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     approval_id: _Id | None = Field(
         default=None, description="May be omitted when the run has exactly one pending."
@@ -293,7 +249,7 @@ class DecisionIn(BaseModel):
 
 
 class EventIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     name: _Id
     payload: Any = None
@@ -312,7 +268,7 @@ class EventDelivery(BaseModel):
 
 
 class ResolveIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     outcome: Literal["succeeded", "not_executed", "failed"]
     result: Any = Field(default=None, description="With succeeded: what the tool returned.")
@@ -320,11 +276,17 @@ class ResolveIn(BaseModel):
 
 
 class CancelIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     compensate: bool = Field(
         default=False, description="First run the compensations of the run's effects."
     )
+
+
+class ResumeIn(BaseModel):
+    """No options yet; a body, if sent, must be ``{}`` (a typo is refused, not ignored)."""
+
+    model_config = _STRICT
 
 
 class Health(BaseModel):
@@ -336,10 +298,25 @@ class Health(BaseModel):
 _RESERVED_INPUT = frozenset({"workflow", "run_id", "tenant"})
 
 
-@router.get("/api/health", tags=["meta"])
-async def health(app: AppDep) -> Health:
-    """The server is up and its database is open (503 otherwise)."""
-    await app.open()
+@router.get(
+    "/api/health",
+    tags=["meta"],
+    response_model=Health,
+    responses={503: {"model": ErrorOut, "description": "The database cannot be opened."}},
+)
+async def health(app: AppDep) -> Any:
+    """The server is up and its database is open (503 otherwise).
+
+    Anyone may ask, so the answer says nothing about the database (its path or URL); the
+    reason is in the server's log.
+    """
+    try:
+        await app.open()
+    except DurablyError as exc:
+        log.warning("health: the database cannot be opened: %s", exc)
+        return error_response(
+            503, "StoreUnavailable", "the database cannot be opened; see the server's log"
+        )
     return Health(status="ok")
 
 
@@ -385,7 +362,6 @@ async def get_run(app: AppDep, run_id: str) -> RunDetail:
     "/api/runs",
     tags=["runs"],
     status_code=201,
-    dependencies=Authorized,
     responses={
         401: _MUTATING[401],
         409: {"model": ErrorOut, "description": "The run id exists with another input."},
@@ -425,7 +401,6 @@ async def _decide(
 @router.post(
     "/api/runs/{run_id}/approvals/approve",
     tags=["approvals"],
-    dependencies=Authorized,
     responses=_MUTATING,
 )
 async def approve(app: AppDep, run_id: str, body: DecisionIn | None = None) -> ApprovalOut:
@@ -436,7 +411,6 @@ async def approve(app: AppDep, run_id: str, body: DecisionIn | None = None) -> A
 @router.post(
     "/api/runs/{run_id}/approvals/reject",
     tags=["approvals"],
-    dependencies=Authorized,
     responses=_MUTATING,
 )
 async def reject(app: AppDep, run_id: str, body: DecisionIn | None = None) -> ApprovalOut:
@@ -444,9 +418,7 @@ async def reject(app: AppDep, run_id: str, body: DecisionIn | None = None) -> Ap
     return await _decide(app, run_id, body, "rejected")
 
 
-@router.post(
-    "/api/runs/{run_id}/events", tags=["events"], dependencies=Authorized, responses=_MUTATING
-)
+@router.post("/api/runs/{run_id}/events", tags=["events"], responses=_MUTATING)
 async def send_event(app: AppDep, run_id: str, body: EventIn) -> EventDelivery:
     """Send an event to a run, once per ``event_id``."""
     import uuid
@@ -459,7 +431,6 @@ async def send_event(app: AppDep, run_id: str, body: EventIn) -> EventDelivery:
 @router.post(
     "/api/runs/{run_id}/effects/{step_id}/resolve",
     tags=["effects"],
-    dependencies=Authorized,
     responses=_MUTATING,
 )
 async def resolve_effect(app: AppDep, run_id: str, step_id: str, body: ResolveIn) -> RunOut:
@@ -472,17 +443,14 @@ async def resolve_effect(app: AppDep, run_id: str, step_id: str, body: ResolveIn
     return RunOut.of(run)
 
 
-@router.post(
-    "/api/runs/{run_id}/resume", tags=["runs"], dependencies=Authorized, responses=_MUTATING
-)
-async def resume(app: AppDep, run_id: str) -> RunOut:
+@router.post("/api/runs/{run_id}/resume", tags=["runs"], responses=_MUTATING)
+async def resume(app: AppDep, run_id: str, body: ResumeIn | None = None) -> RunOut:
     """Resume a paused run and execute it here until it completes, fails or stops."""
+    del body  # validated only
     return RunOut.of(await app.resume_async(run_id))
 
 
-@router.post(
-    "/api/runs/{run_id}/cancel", tags=["runs"], dependencies=Authorized, responses=_MUTATING
-)
+@router.post("/api/runs/{run_id}/cancel", tags=["runs"], responses=_MUTATING)
 async def cancel(app: AppDep, run_id: str, body: CancelIn | None = None) -> RunOut:
     """Cancel a run at its next call boundary (a run held by a worker may still show running)."""
     compensate = body.compensate if body else False

@@ -4,10 +4,11 @@
 (https://www.standardwebhooks.com): the sender signs ``{webhook-id}.{webhook-timestamp}.{body}``
 with HMAC-SHA256 and sends ``webhook-signature: v1,<base64> [v1,<base64> ...]``. A secret
 written ``whsec_<base64>`` is the base64-encoded key, as the spec has it; any other secret is
-used as its UTF-8 bytes. Several secrets may be configured during a rotation: any one
-matching is enough. Timestamps more than five minutes off (either way) are refused, so a
-captured request cannot be replayed later; within that window the ``webhook-id`` is the
-event id, so the run's inbox ignores a redelivery.
+used as its UTF-8 bytes; a key under 24 bytes is refused at startup. Several secrets may be
+configured during a rotation: any one matching is enough. Timestamps more than five minutes
+off (either way) are refused, so a captured request cannot be replayed later; within that
+window the ``webhook-id`` is the event id, so the run's inbox ignores a redelivery. Headers
+and timestamp are checked before the body is read.
 
 The body is ``{"run_id": ..., "name": ..., "payload": ...}``. Nothing is recorded unless the
 request is authentic and well-formed.
@@ -19,7 +20,6 @@ import base64
 import binascii
 import hashlib
 import hmac
-import json
 import re
 import time
 from collections.abc import Iterable, Sequence
@@ -29,11 +29,13 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
 from durably.app import App
-from durably.server.api import ApiError, DurablyRoute, ErrorOut
+from durably.errors import ConfigurationError
+from durably.server.errors import ApiError, DurablyRoute, ErrorOut, decode_json
 from durably.server.settings import ServerSettings, durably_app, settings
 
 TOLERANCE_SECONDS = 5 * 60
 MAX_BODY_BYTES = 256 * 1024
+MIN_SECRET_BYTES = 24
 
 # ASCII digits, bounded: str.isdigit() accepts other digits and int() refuses huge strings.
 _DIGITS = re.compile(r"[0-9]{1,15}")
@@ -51,11 +53,31 @@ class WebhookDelivery(BaseModel):
 def secret_key(secret: str) -> bytes:
     """The HMAC key of a configured secret: ``whsec_<base64>`` decoded, else its UTF-8."""
     if secret.startswith("whsec_"):
-        try:
-            return base64.b64decode(secret[len("whsec_") :], validate=True)
-        except (binascii.Error, ValueError):
-            pass  # not base64 after all: use it as written
+        return base64.b64decode(secret[len("whsec_") :], validate=True)
     return secret.encode()
+
+
+def check_secrets(secrets: Sequence[str]) -> tuple[str, ...]:
+    """``secrets`` if every one is a usable key, else :class:`ConfigurationError` at startup.
+
+    A short key can be brute-forced offline from a single signed request, and ``whsec_``
+    alone would be an empty key that anyone can sign with.
+    """
+    for n, secret in enumerate(secrets, 1):
+        where = f"webhook secret #{n} in $DURABLY_WEBHOOK_SECRETS"
+        try:
+            key = secret_key(secret)
+        except (binascii.Error, ValueError):
+            raise ConfigurationError(
+                f"{where} starts with whsec_ but the rest is not base64; write it as "
+                "whsec_<base64 of the key>, e.g. whsec_$(openssl rand -base64 32)"
+            ) from None
+        if len(key) < MIN_SECRET_BYTES:
+            raise ConfigurationError(
+                f"{where} is a {len(key)}-byte key; use at least {MIN_SECRET_BYTES} random "
+                "bytes, e.g. whsec_$(openssl rand -base64 32)"
+            )
+    return tuple(secrets)
 
 
 def sign(secret: str, webhook_id: str, timestamp: str, body: bytes) -> str:
@@ -105,19 +127,16 @@ def _bad_request(message: str) -> ApiError:
     return ApiError(400, "WebhookMalformed", message)
 
 
-def _check_signature(
-    secrets: Sequence[str], headers: dict[str, str], body: bytes, now: float
-) -> None:
-    webhook_id = headers.get("webhook-id", "")
-    timestamp = headers.get("webhook-timestamp", "")
-    signature = headers.get("webhook-signature", "")
-    if not webhook_id or not timestamp or not signature:
+def _check_headers(headers: dict[str, str], now: float) -> None:
+    """What can be refused before the body is read: missing headers, a stale timestamp."""
+    if not all(headers.values()):
         raise _unauthorized(
             "missing webhook-id, webhook-timestamp or webhook-signature header "
             "(sign requests per the Standard Webhooks scheme)"
         )
+    timestamp = headers["webhook-timestamp"]
     if not _DIGITS.fullmatch(timestamp):
-        raise _unauthorized(f"webhook-timestamp {timestamp!r} is not unix seconds")
+        raise _unauthorized(f"webhook-timestamp {timestamp[:40]!a} is not unix seconds")
     skew = int(timestamp) - now
     if abs(skew) > TOLERANCE_SECONDS:
         direction = "in the future" if skew > 0 else "old"
@@ -126,15 +145,10 @@ def _check_signature(
             f"{TOLERANCE_SECONDS}s tolerance; check the sender's clock, and sign each "
             "delivery (retries too) with the current time"
         )
-    if not signature_matches(secrets, webhook_id, timestamp, body, signature):
-        raise _unauthorized("webhook-signature does not match any configured secret")
 
 
 def _parse(body: bytes) -> tuple[str, str, Any]:
-    try:
-        doc = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _bad_request(f"body is not JSON ({exc})") from None
+    doc = decode_json(body, "the webhook body")
     if not isinstance(doc, dict):
         raise _bad_request('body must be a JSON object {"run_id", "name", "payload"}')
     run_id, name = doc.get("run_id"), doc.get("name")
@@ -188,12 +202,22 @@ async def receive_event(
             "WebhooksNotConfigured",
             "webhooks not configured: set $DURABLY_WEBHOOK_SECRETS (comma-separated)",
         )
+    headers = {
+        name: request.headers.get(name, "")
+        for name in ("webhook-id", "webhook-timestamp", "webhook-signature")
+    }
+    _check_headers(headers, time.time())
     body = await _read_limited(request, MAX_BODY_BYTES)
     if body is None:
         raise ApiError(413, "PayloadTooLarge", f"webhook body over {MAX_BODY_BYTES} bytes")
-    headers = {k: request.headers.get(k, "") for k in ("webhook-id", "webhook-timestamp")}
-    headers["webhook-signature"] = request.headers.get("webhook-signature", "")
-    _check_signature(config.webhook_secrets, headers, body, time.time())
+    if not signature_matches(
+        config.webhook_secrets,
+        headers["webhook-id"],
+        headers["webhook-timestamp"],
+        body,
+        headers["webhook-signature"],
+    ):
+        raise _unauthorized("webhook-signature does not match any configured secret")
     run_id, name, payload = _parse(body)
     event_id = headers["webhook-id"]
     status = await app.send_event_async(run_id, name, payload, event_id=event_id)

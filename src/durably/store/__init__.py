@@ -2,22 +2,47 @@
 
 from __future__ import annotations
 
+import re
+
 from durably.errors import ConfigurationError
 from durably.store.base import Store
 
 
 def open_store(url: str) -> Store:
     """The store for a database URL: ``sqlite:///path.db`` or ``postgresql://...``."""
+    # libpq reads a C string: a NUL would silently cut the URL short (another host, another
+    # database). An undecodable character (from a command line's bytes) names nothing.
+    if "\x00" in url or not url.isprintable():
+        raise ConfigurationError(
+            f"database URL {_redacted(url)!r} contains control or undecodable characters; "
+            "percent-encode them (%20) or correct the URL"
+        )
     if url.startswith("sqlite:"):
         from durably.store.sqlite import SQLiteStore
 
         return SQLiteStore(url)
     if url.startswith(("postgresql://", "postgres://")):
         # Imported here so that SQLite users never load the PostgreSQL driver.
+        import psycopg
+        from psycopg.conninfo import conninfo_to_dict
+
         from durably.store.postgres import PostgresStore
 
+        try:
+            conninfo_to_dict(url)
+        except psycopg.ProgrammingError as exc:
+            raise ConfigurationError(
+                f"malformed PostgreSQL URL {_redacted(url)!r} ({str(exc).strip()}); write "
+                "postgresql://user:password@host:5432/dbname, percent-encoding any other "
+                "character in its parts (@ as %40)"
+            ) from None
         return PostgresStore(url)
     raise ConfigurationError(
-        f"unsupported database URL {url!r}; use sqlite:///path.db or "
+        f"unsupported database URL {_redacted(url)!r}; use sqlite:///path.db or "
         "postgresql://user@host:5432/dbname"
     )
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its password, for error messages that may be logged or shown."""
+    return re.sub(r"(//[^/?#@:]*:)[^/?#@]*@", r"\1***@", url)

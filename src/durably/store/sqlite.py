@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from durably.errors import (
@@ -47,19 +46,24 @@ from durably.store.base import (
     operation_from_row,
     pending_approval,
     run_from_row,
+    shown_url,
     signal_from_row,
     step_from_row,
     wakes,
 )
 from durably.store.migrations import Migrator, split_statements
+from durably.store.sqlite_file import connect
 
+# sqlite3 raises the base DatabaseError itself for a damaged file ("database disk image is
+# malformed"); its subclasses other than OperationalError are about the statement.
+_OUTAGES = (sqlite3.OperationalError, sqlite3.DatabaseError)
 _CLAIMABLE_SQL = ", ".join(f"'{s.value}'" for s in CLAIMABLE)
 
 
 def path_from_url(url: str) -> str:
     """``sqlite:///rel.db`` → ``rel.db``; ``sqlite:////abs.db`` → ``/abs.db``."""
     prefix = "sqlite:///"
-    if not url.startswith(prefix) or len(url) == len(prefix):
+    if not url.startswith(prefix) or len(url) == len(prefix) or "\x00" in url:
         raise ConfigurationError(
             f"not a SQLite URL: {url!r}; write sqlite:///relative/path.db or "
             "sqlite:////absolute/path.db"
@@ -76,22 +80,11 @@ class SQLiteStore(Store):
 
     def __init__(self, url: str, *, busy_timeout_s: float = 30.0) -> None:
         self.url = url
-        path = path_from_url(url)
-        if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        # isolation_level=None: we issue BEGIN/COMMIT ourselves, so Python's implicit
-        # transactions never split or merge what must be one transaction.
-        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        # Other processes may hold the write lock briefly: every statement, from the very
+        # first, waits for it instead of failing. A missing directory is an error, not
+        # created: a mistyped path must not become a new, empty database.
+        self._conn = connect(path_from_url(url), url, busy_timeout_s)
         self._conn.row_factory = sqlite3.Row
-        # WAL: readers (CLI, console) never block the worker's writes, and a commit is one
-        # sequential append.
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        # FULL: fsync the WAL at every commit. NORMAL could lose the last commits on power
-        # loss, and a lost "effect succeeded" record is a repeated effect.
-        self._conn.execute("PRAGMA synchronous=FULL")
-        # Other processes may hold the write lock briefly: wait for it instead of failing.
-        self._conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-        self._conn.execute("PRAGMA foreign_keys=ON")
         # One connection per store; the lock keeps a transaction whole if the store is
         # shared by threads (a CLI command while a worker thread runs, tests).
         self._lock = threading.RLock()
@@ -109,22 +102,27 @@ class SQLiteStore(Store):
                     self._conn.execute("ROLLBACK")
                     raise
                 self._conn.execute("COMMIT")
-            except sqlite3.OperationalError as exc:
-                # Locked past the busy timeout, disk full, I/O error: not the run's fault.
+            except sqlite3.DatabaseError as exc:
+                if type(exc) not in _OUTAGES:
+                    raise
+                # Locked past the busy timeout, disk full, I/O error, a damaged file: not the
+                # run's fault (a constraint or a programming error is, and is raised as is).
                 # A failed COMMIT can leave the transaction open: close it, or every later
                 # BEGIN would fail too.
                 if self._conn.in_transaction:
                     with contextlib.suppress(sqlite3.Error):
                         self._conn.execute("ROLLBACK")
-                raise StoreUnavailable(f"{self.url}: {exc}") from exc
+                raise StoreUnavailable(f"{shown_url(self.url)}: {exc}") from exc
 
     @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
             try:
                 yield self._conn
-            except sqlite3.OperationalError as exc:
-                raise StoreUnavailable(f"{self.url}: {exc}") from exc
+            except sqlite3.DatabaseError as exc:
+                if type(exc) not in _OUTAGES:
+                    raise
+                raise StoreUnavailable(f"{shown_url(self.url)}: {exc}") from exc
 
     # -- schema -------------------------------------------------------------------------
 

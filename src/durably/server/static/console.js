@@ -1,11 +1,21 @@
 // durably console: the token field, live refresh of the runs table, and the action forms.
-// Every action calls the JSON API (/api/...) and reloads the page; errors are shown inline.
+// Every action asks for confirmation, calls the JSON API (/api/...) and reloads the page;
+// errors are shown inline. Loaded as a file: the Content-Security-Policy allows no inline script.
 (function () {
   "use strict";
   var TOKEN_KEY = "durably.apiToken";
+  var TOKEN_COOKIE = "durably_token";
 
   function token() {
     try { return localStorage.getItem(TOKEN_KEY) || ""; } catch (e) { return ""; }
+  }
+
+  // Page loads cannot carry the Authorization header; where reads need the token, the server
+  // also accepts it from this cookie, for reads only (actions always send the header).
+  function setCookie(value) {
+    var secure = window.location.protocol === "https:" ? "; Secure" : "";
+    document.cookie = TOKEN_COOKIE + "=" + encodeURIComponent(value) + "; Path=/; SameSite=Strict" +
+      (value ? "" : "; Max-Age=0") + secure;
   }
 
   function setupToken() {
@@ -21,7 +31,9 @@
         if (input.value) localStorage.setItem(TOKEN_KEY, input.value);
         else localStorage.removeItem(TOKEN_KEY);
       } catch (e) { /* storage disabled: the token lasts for this page only */ }
+      setCookie(input.value);
       state.textContent = input.value ? "saved" : "cleared";
+      if (input.value && document.body.dataset.needsToken) window.location.reload();
     });
   }
 
@@ -57,6 +69,7 @@
 
   var enc = encodeURIComponent;
 
+  // Returns null when the operator does not confirm: then nothing is sent.
   function request(form, submitter) {
     var run = "/api/runs/" + enc(form.dataset.run);
     var data = new FormData(form);
@@ -64,6 +77,12 @@
     switch (form.dataset.kind) {
       case "approval": {
         var decision = submitter && submitter.dataset.decision === "reject" ? "reject" : "approve";
+        var holder = form.closest(".approval");
+        var tool = holder && holder.querySelector("code.tool") ? holder.querySelector("code.tool").textContent : "this";
+        var question = decision === "approve"
+          ? "Approve " + tool + " for run " + form.dataset.run + "? The effect will be executed as shown."
+          : "Reject " + tool + " for run " + form.dataset.run + "?";
+        if (!window.confirm(question)) return null;
         var body = { approval_id: form.dataset.approval };
         var comment = (data.get("comment") || "").toString().trim();
         if (by) body.by = by;
@@ -77,10 +96,13 @@
         if (raw && outcome === "succeeded") {
           try { payload.result = JSON.parse(raw); } catch (e) { throw new Error("result is not valid JSON: " + e.message); }
         }
+        if (!window.confirm("Record that the effect at " + form.dataset.step + " " +
+            outcome.replace("_", " ") + "? This settles it for good.")) return null;
         if (by) payload.by = by;
         return { url: run + "/effects/" + enc(form.dataset.step) + "/resolve", body: payload };
       }
       case "resume":
+        if (!window.confirm("Resume run " + form.dataset.run + "? It continues now, with its effects.")) return null;
         return { url: run + "/resume", body: {} };
       case "cancel": {
         var compensate = data.get("compensate") !== null;
@@ -117,6 +139,12 @@
     });
   }
 
+  function setupFilters() {
+    document.querySelectorAll("select[data-autosubmit]").forEach(function (select) {
+      select.addEventListener("change", function () { select.form.submit(); });
+    });
+  }
+
   function setupRefresh() {
     var table = document.getElementById("runs-table");
     if (table && table.dataset.refresh) {
@@ -139,6 +167,7 @@
   document.addEventListener("DOMContentLoaded", function () {
     setupToken();
     setupForms();
+    setupFilters();
     setupRefresh();
   });
 })();
