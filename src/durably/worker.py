@@ -101,14 +101,17 @@ class Worker:
                 loop.add_signal_handler(sig, self.stop)
                 handled.append(sig)
         await self.app.open()
-        listener = asyncio.create_task(self._listen())
+        # Slots that stop when idle never wait for work: no listener (nor its connection).
+        listener = None if until_idle else asyncio.create_task(self._listen())
         slots = [asyncio.create_task(self._slot(until_idle)) for _ in range(self.concurrency)]
         try:
             await asyncio.gather(*slots)
         finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
+            if listener is not None:
+                # The store closes the listener's connection when this task ends.
+                listener.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener
             for sig in handled:
                 loop.remove_signal_handler(sig)
         return self.executed

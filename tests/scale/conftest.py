@@ -1,7 +1,8 @@
 """Harness of the scale tests: many real worker processes over one PostgreSQL schema.
 
-Each test gets a fresh schema (``postgres_schema``), the example shop in its own process
-(one per module, reset before each test) as the ground truth of what happened, and a
+Each test gets a fresh schema (``postgres_schema``) on the shared server (or, if it stops or
+restarts PostgreSQL, a throwaway server of its own: ``pg_cluster``), the example shop in its
+own process (one per module, reset before each test) as the ground truth of what happened, and a
 :class:`Scale` that starts runs, spawns worker processes (the real ``durably worker`` CLI,
 or ``tests.scale.runner`` for a synchronised start), and reads the database directly.
 Every process it spawns is bounded by timeouts and killed and reaped at teardown, whatever
@@ -29,8 +30,9 @@ import pytest
 from psycopg.rows import dict_row
 
 from durably.examples.shop import ShopService
-from tests.conftest import postgres_schema_url
+from tests.conftest import POSTGRES_URL, postgres_schema_url
 from tests.scale import scaleapp
+from tests.scale.cluster import Cluster, throwaway_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 APP_SPEC = "tests.scale.scaleapp:app"
@@ -354,10 +356,42 @@ def shop_service() -> Iterator[ShopService]:
         yield service
 
 
+def _shared_server_started_at() -> object:
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_postmaster_start_time()").fetchone()
+    return row[0] if row else None
+
+
+@pytest.fixture(autouse=True)
+def _shared_server_untouched() -> Iterator[None]:
+    """No scale test stops or restarts the shared PostgreSQL: others' tests run on it."""
+    started_at = _shared_server_started_at()
+    yield
+    assert _shared_server_started_at() == started_at, (
+        f"the shared PostgreSQL ({POSTGRES_URL}) was restarted by this test; stop or restart "
+        "only a throwaway server (the pg_cluster fixture)"
+    )
+
+
 @pytest.fixture
-def scale(postgres_schema: str, shop_service: ShopService, tmp_path: Path) -> Iterator[Scale]:
+def pg_cluster() -> Iterator[Cluster]:
+    """A PostgreSQL server of the test's own, to stop and restart: never the shared one."""
+    with throwaway_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def scale(
+    request: pytest.FixtureRequest, shop_service: ShopService, tmp_path: Path
+) -> Iterator[Scale]:
+    """The test's world: on a fresh schema of the shared server or, for a test that also
+    asks for ``pg_cluster`` (to stop or restart it), on that throwaway server."""
+    if "pg_cluster" in request.fixturenames:
+        url = request.getfixturevalue("pg_cluster").url
+    else:
+        url = postgres_schema_url(request.getfixturevalue("postgres_schema"))
     shop_service.reset()
-    s = Scale(postgres_schema_url(postgres_schema), shop_service, tmp_path)
+    s = Scale(url, shop_service, tmp_path)
     try:
         yield s
     finally:

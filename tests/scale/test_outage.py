@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from datetime import timedelta
 
@@ -11,28 +10,30 @@ import pytest
 
 import durably
 from durably import RunStatus
-from tests.conftest import postgres_schema_url
-from tests.scale.test_scale import ensure_postgres_up, pg_ctl
+from tests.scale.cluster import Cluster
 
 pytestmark = pytest.mark.scale
 
 
-def test_an_outcome_is_recorded_after_the_database_comes_back(postgres_schema: str) -> None:
+def test_an_outcome_is_recorded_after_the_database_comes_back(pg_cluster: Cluster) -> None:
     """The tool took effect and PostgreSQL went down before the result was recorded.
 
     The tool has neither an idempotency key nor a reconcile function, so if the outcome
     were dropped the run could only pause for a person. The worker holds the outcome and
     retries the record while its lease lasts; the run completes with one effect.
     """
-    app = durably.App(postgres_schema_url(postgres_schema), lease_ttl=timedelta(seconds=30))
+    app = durably.App(pg_cluster.url, lease_ttl=timedelta(seconds=30))
     calls = Counter[str]()
+    restarts: list[threading.Timer] = []
 
     @app.tool()
     def notify(customer: str) -> dict[str, str]:
         calls["notify"] += 1
-        stopped = pg_ctl("stop", "-m", "immediate")
+        stopped = pg_cluster.pg_ctl("stop", "-m", "immediate")
         assert stopped.returncode == 0, stopped.stderr
-        threading.Timer(12.0, lambda: pg_ctl("start")).start()  # past the pool timeout (10 s)
+        restart = threading.Timer(12.0, lambda: pg_cluster.pg_ctl("start"))
+        restarts.append(restart)
+        restart.start()  # past the pool timeout (10 s)
         return {"notified": customer}
 
     @app.workflow()
@@ -47,6 +48,7 @@ def test_an_outcome_is_recorded_after_the_database_comes_back(postgres_schema: s
         effect = app.describe(run.run_id)["effects"][0]
         assert effect["status"] == "succeeded"
     finally:
-        time.sleep(0.1)
-        ensure_postgres_up()
+        for restart in restarts:  # never start the server after its teardown
+            restart.cancel()
+            restart.join()
         app.close()

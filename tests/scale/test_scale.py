@@ -14,7 +14,6 @@ import os
 import random
 import re
 import signal
-import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.scale.cluster import Cluster
 from tests.scale.conftest import FINAL, STUCK, Scale, WorkerProc, pid_of, wait_until
 
 pytestmark = pytest.mark.scale
@@ -386,42 +386,11 @@ def test_sigkill_chaos_over_four_workers(scale: Scale) -> None:
 
 # -- 4. PostgreSQL restarted under the workers --------------------------------------------
 
-PG_HOST, PG_PORT = "127.0.0.1", "5432"
-
-
-def pg_version() -> str:
-    return sorted(os.listdir("/etc/postgresql"))[0]
-
-
-def pg_ready() -> bool:
-    done = subprocess.run(
-        ["pg_isready", "-q", "-h", PG_HOST, "-p", PG_PORT], timeout=15, check=False
-    )
-    return done.returncode == 0
-
-
-def pg_ctl(action: str, *options: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", pg_version(), "main", action, *options],
-        timeout=90,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-
-
-def ensure_postgres_up() -> None:
-    """Leave the server running whatever happened: start it if it is down, wait for it."""
-    if not pg_ready():
-        pg_ctl("start")
-    wait_until(pg_ready, 60, "PostgreSQL to accept connections", every=0.2)
-
-
 STORE_ERRORS = r"stopped executing|stopped \(StoreUnavailable|store unavailable"
 """Log lines of a worker execution or claim stopped by a store error."""
 
 
-def test_postgres_restart_under_the_workers(scale: Scale) -> None:
+def test_postgres_restart_under_the_workers(scale: Scale, pg_cluster: Cluster) -> None:
     """Two workers (2 slots each) drive 120 runs whose tools are slowed a little; while runs
     are in flight PostgreSQL is restarted with ``-m immediate`` (every connection cut, a
     commit in flight lost or ambiguous), up to three times until one restart has cut a
@@ -463,10 +432,10 @@ def test_postgres_restart_under_the_workers(scale: Scale) -> None:
         [booted] = scale.db.rows("SELECT pg_postmaster_start_time() AS at")
         started = time.monotonic()
         try:
-            restart = pg_ctl("restart", "-m", "immediate")
+            restart = pg_cluster.pg_ctl("restart", "-m", "immediate")
             assert restart.returncode == 0, restart.stdout + restart.stderr
         finally:
-            ensure_postgres_up()
+            pg_cluster.ensure_up()
         [rebooted] = scale.db.rows("SELECT pg_postmaster_start_time() AS at")
         assert rebooted["at"] > booted["at"], "the server was not restarted"
         assert before["running"] > 0, f"no run was in flight at the restart: {before}"

@@ -111,7 +111,8 @@ class PostgresStore(Store):
         self.connect_timeout_s = connect_timeout_s
         # A pool belongs to the event loop that opened it: one per loop using this store.
         self._pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool[AsyncConn]] = {}
-        self._listeners: dict[asyncio.AbstractEventLoop, AsyncConn] = {}
+        # A LISTEN connection belongs to the task that waits on it (a worker's listener).
+        self._listeners: dict[asyncio.Task[Any], AsyncConn] = {}
         self._pool_locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
 
     # -- connections --------------------------------------------------------------------
@@ -193,10 +194,9 @@ class PostgresStore(Store):
     async def close(self) -> None:
         """Close the connections opened from the running event loop."""
         loop = asyncio.get_running_loop()
-        listener = self._listeners.pop(loop, None)
-        if listener is not None:
-            with contextlib.suppress(psycopg.Error):
-                await listener.close()
+        for task in list(self._listeners):
+            if task.get_loop() is loop:
+                self._drop_listener(task)
         pool = self._pools.pop(loop, None)
         if pool is not None:
             await pool.close()
@@ -739,23 +739,48 @@ class PostgresStore(Store):
         return float(rows[0]["due"]) - float(rows[0]["now"]) + time.time()
 
     async def wait_for_work(self, timeout_s: float) -> bool:
-        """Sleep until a run may have become runnable (NOTIFY) or ``timeout_s`` passes."""
-        loop = asyncio.get_running_loop()
+        """Sleep until a run may have become runnable (NOTIFY) or ``timeout_s`` passes.
+
+        The calling task gets its own LISTEN connection, closed when that task ends.
+        """
+        task = asyncio.current_task()
+        assert task is not None, "wait_for_work runs in a task"
         try:
-            listener = self._listeners.get(loop)
-            if listener is None or listener.closed:
-                listener = await psycopg.AsyncConnection.connect(
-                    self.url, autocommit=True, row_factory=dict_row
-                )
-                await listener.execute(f"LISTEN {CHANNEL}")
-                self._listeners[loop] = listener
-            async for _ in listener.notifies(timeout=timeout_s, stop_after=1):
-                return True
+            listener = self._listeners.get(task)
+            if listener is None:
+                listener = await self._listen(task)
+            async with contextlib.aclosing(
+                listener.notifies(timeout=timeout_s, stop_after=1)
+            ) as notifies:
+                async for _ in notifies:
+                    return True
         except psycopg.Error:
             # Lost the listening connection (server restart): poll until it comes back.
-            self._listeners.pop(loop, None)
+            self._drop_listener(task)
             await asyncio.sleep(timeout_s)
         return False
+
+    async def _listen(self, task: asyncio.Task[Any]) -> AsyncConn:
+        conn = await psycopg.AsyncConnection.connect(
+            self.url, autocommit=True, row_factory=dict_row
+        )
+        try:
+            await conn.execute(f"LISTEN {CHANNEL}")
+        except BaseException:
+            # Cancelled (the worker is stopping) or failed before anyone else held it.
+            await conn.close()
+            raise
+        self._listeners[task] = conn
+        # However the task ends (returns, cancelled anywhere, fails) its connection goes.
+        task.add_done_callback(self._drop_listener)
+        return conn
+
+    def _drop_listener(self, task: asyncio.Task[Any]) -> None:
+        task.remove_done_callback(self._drop_listener)
+        listener = self._listeners.pop(task, None)
+        if listener is not None:
+            # What close() does for a connection outside a pool; a done callback cannot await.
+            listener.pgconn.finish()
 
 
 def _second_round(
