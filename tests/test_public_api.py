@@ -18,3 +18,25 @@ def test_every_error_is_a_durably_error() -> None:
         obj = getattr(durably, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, durably.DurablyError), name
+
+
+def test_errors_can_be_caught_by_kind() -> None:
+    """Integrations catch a group: the caller's input, the store, or a run that must stop."""
+    groups = {
+        durably.InputError: {"InvalidInput", "NotJSONSerializable", "PayloadTooLarge"},
+        durably.StoreError: {"StoreUnavailable", "SchemaTooNew"},
+        durably.RunStopError: {
+            "IdempotencyConflict",
+            "NonDeterminismError",
+            "LeaseLostError",
+            "CheckpointCorrupted",
+            "BudgetExceeded",
+        },
+    }
+    for group, members in groups.items():
+        for name in members:
+            assert issubclass(getattr(durably, name), group), (name, group)
+        others = {n for n in durably.__all__ if n not in members and n != group.__name__}
+        for name in others:
+            obj = getattr(durably, name)
+            assert not (isinstance(obj, type) and issubclass(obj, group)), (name, group)

@@ -957,7 +957,7 @@ class App:
         """
         return Subscription(self, handler, consumer=consumer, batch=batch)
 
-    def worker(self, *, concurrency: int = 1, lease_ttl: timedelta | None = None) -> Any:
+    def worker(self, *, concurrency: int = 1, lease_ttl: timedelta | None = None) -> Worker:
         """A worker that claims and executes this app's runnable runs."""
 
         return Worker(self, concurrency=concurrency, lease_ttl=lease_ttl or self.lease_ttl)

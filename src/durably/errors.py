@@ -4,28 +4,33 @@
 
     DurablyError
     ├── ConfigurationError          bad decorator options, unknown workflow, bad database URL
-    ├── NotJSONSerializable         a value that must be stored is not plain JSON
-    ├── PayloadTooLarge             a stored value is over the size limit
-    ├── InvalidInput                a run's input does not fit its workflow's signature
+    ├── InputError                  refused before anything was written; fix the input
+    │   ├── InvalidInput            a malformed id or text, or input that misfits a signature
+    │   ├── NotJSONSerializable     a value that must be stored is not plain, storable JSON
+    │   └── PayloadTooLarge         a stored value is over the size limit
     ├── OutsideRunError             a step or tool called outside a workflow run
     ├── RunNotFound
     ├── InvalidTransition           the run or effect is not in a state that allows the request
-    ├── IdempotencyConflict         same key (or run id), different input
-    ├── NonDeterminismError         replayed workflow code called something else at a position
-    ├── LeaseLostError              another worker owns the run now; this one must stop
-    ├── CheckpointCorrupted         checksum mismatch and no verified fallback
-    ├── SchemaTooNew                the database was migrated by newer code
-    ├── StoreUnavailable            the database cannot be reached or refused the transaction
+    ├── RunStopError                this run must stop here; a person or another worker goes on
+    │   ├── IdempotencyConflict     same key (or run id), different input
+    │   ├── NonDeterminismError     replayed workflow code called something else at a position
+    │   ├── LeaseLostError          another worker owns the run now; this one must stop
+    │   ├── CheckpointCorrupted     checksum mismatch and no verified fallback
+    │   └── BudgetExceeded          a run went over its budget (the run pauses with it)
+    ├── StoreError                  the database, not the request
+    │   ├── StoreUnavailable        the database cannot be reached or refused the transaction
+    │   └── SchemaTooNew            the database was migrated by newer code
     ├── StepFailed                  a step or tool failed for good; raised inside the workflow
     ├── WaitTimeout                 wait_for_event's timeout passed; raised inside the workflow
     ├── ApprovalRejected            a person rejected the approval; raised inside the workflow
     ├── ApprovalExpired             an approval was decided or used after its expiry
-    ├── BudgetExceeded              a run went over its budget (the run pauses with it)
     ├── ToolError                   raised BY a tool to state the failure category
     └── OutcomeUnknown              raised BY a tool: the request may have taken effect
 
 Each error carries the ids it is about as attributes (``run_id``, ``step_id``,
-``idempotency_key``) and its message says what to do next.
+``idempotency_key``) and its message says what to do next. Catch a group to handle its
+kind: ``InputError`` is the caller's to fix (a 4xx), ``StoreError`` is worth a retry later,
+and a ``RunStopError`` means nothing more of that run may happen in this process.
 """
 
 from __future__ import annotations
@@ -58,16 +63,29 @@ class ConfigurationError(DurablyError):
     """The app, a decorator or a URL is configured wrongly."""
 
 
-class NotJSONSerializable(DurablyError):
+class InputError(DurablyError):
+    """Input durably refused before writing anything: fix it and ask again."""
+
+
+class RunStopError(DurablyError):
+    """The run must stop here: what comes next needs a person, a fix, or the worker that
+    owns the run now. Nothing more of the run happens in this process."""
+
+
+class StoreError(DurablyError):
+    """The database, not the request: unreachable, failing, or migrated by newer code."""
+
+
+class NotJSONSerializable(InputError):
     """A value that durably must persist is not plain JSON (dict, list, str, number, bool, None)."""
 
 
-class PayloadTooLarge(DurablyError):
+class PayloadTooLarge(InputError):
     """A value that durably must persist exceeds the configured size limit."""
 
 
-class InvalidInput(DurablyError):
-    """A run's input does not fit the workflow's signature."""
+class InvalidInput(InputError):
+    """A malformed id or text, or a run's input that does not fit its workflow's signature."""
 
 
 class OutsideRunError(DurablyError):
@@ -82,27 +100,27 @@ class InvalidTransition(DurablyError):
     """The run or effect is not in a state that allows what was asked."""
 
 
-class IdempotencyConflict(DurablyError):
+class IdempotencyConflict(RunStopError):
     """The same idempotency key (or run id) was used with a different input."""
 
 
-class NonDeterminismError(DurablyError):
+class NonDeterminismError(RunStopError):
     """Replayed workflow code made a different call at a recorded position."""
 
 
-class LeaseLostError(DurablyError):
+class LeaseLostError(RunStopError):
     """This worker's lease on the run expired and another worker took it over."""
 
 
-class CheckpointCorrupted(DurablyError):
+class CheckpointCorrupted(RunStopError):
     """A checkpoint failed its checksum and the journal could not be verified otherwise."""
 
 
-class SchemaTooNew(DurablyError):
+class SchemaTooNew(StoreError):
     """The database schema was written by a newer durably than this one."""
 
 
-class StoreUnavailable(DurablyError):
+class StoreUnavailable(StoreError):
     """The database could not be reached, or a transaction failed for a reason outside
     durably (connection lost, disk full). Nothing of that transaction was applied unless the
     connection broke during COMMIT; either way the run is picked up again from the store."""
@@ -159,7 +177,7 @@ class ApprovalExpired(DurablyError):
     """The approval expired before it was decided or used; a new one is requested."""
 
 
-class BudgetExceeded(DurablyError):
+class BudgetExceeded(RunStopError):
     """A run went over its workflow's budget; recorded as the reason its run paused."""
 
 

@@ -27,13 +27,11 @@ from durably.errors import (
     ConfigurationError,
     DurablyError,
     IdempotencyConflict,
-    InvalidInput,
+    InputError,
     InvalidTransition,
-    NotJSONSerializable,
     PayloadTooLarge,
     RunNotFound,
-    SchemaTooNew,
-    StoreUnavailable,
+    StoreError,
 )
 
 _STATUS: tuple[tuple[type[DurablyError], int], ...] = (
@@ -42,12 +40,10 @@ _STATUS: tuple[tuple[type[DurablyError], int], ...] = (
     (IdempotencyConflict, 409),
     (ApprovalExpired, 409),
     (ConfigurationError, 422),
-    (InvalidInput, 422),
-    (NotJSONSerializable, 422),
     (PayloadTooLarge, 413),
-    # Neither is the caller's fault: the database is away, or newer than this server.
-    (StoreUnavailable, 503),
-    (SchemaTooNew, 503),
+    (InputError, 422),
+    # Not the caller's fault: the database is away, or newer than this server.
+    (StoreError, 503),
 )
 
 
