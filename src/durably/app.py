@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import os
 import secrets
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -25,12 +23,11 @@ from durably.definitions import (
     StepDef,
     ToolDef,
     WorkflowDef,
-    check_name,
 )
+from durably.engine import Engine
 from durably.errors import (
     ApprovalExpired,
     ConfigurationError,
-    DurablyError,
     IdempotencyConflict,
     InvalidInput,
     InvalidTransition,
@@ -45,8 +42,8 @@ from durably.keys import (
 )
 from durably.metrics import Metrics
 from durably.reconcile import Operation
+from durably.registry import Registry
 from durably.status import FailureCategory, OperationStatus, PauseReason, RunStatus, StepStatus
-from durably.store import open_store
 from durably.store.base import (
     Approval,
     Event,
@@ -181,23 +178,51 @@ class App:
         secret_key: str | bytes | None = None,
         reconcile_grace: timedelta = timedelta(seconds=5),
     ) -> None:
-        self.database_url = (
-            database_url or os.environ.get("DURABLY_DATABASE_URL") or DEFAULT_DATABASE_URL
+        self.engine = Engine(
+            database_url=database_url
+            or os.environ.get("DURABLY_DATABASE_URL")
+            or DEFAULT_DATABASE_URL,
+            registry=Registry(),
+            metrics=Metrics(),
+            lease_ttl=lease_ttl,
+            max_payload_bytes=max_payload_bytes,
+            secret_key=_secret_key(secret_key or os.environ.get("DURABLY_SECRET_KEY")),
+            reconcile_grace=reconcile_grace,
         )
-        self.lease_ttl = lease_ttl
-        self.reconcile_grace = reconcile_grace
-        """How long after a dead holder's lease ran out its send may still arrive: a
-        reconciliation's "not executed" for its claim is trusted only after that."""
-        self.max_payload_bytes = max_payload_bytes
-        self.secret_key = _secret_key(secret_key or os.environ.get("DURABLY_SECRET_KEY"))
+        """What executing runs needs (store, registry, metrics, limits); this App packs
+        requests for it and delegates."""
+        self.metrics = self.engine.metrics
+        self._registry = self.engine.registry
+        self._loop = self.engine.loop
+
+    @property
+    def database_url(self) -> str:
+        return self.engine.database_url
+
+    @database_url.setter
+    def database_url(self, url: str) -> None:
+        if self.engine.is_open:
+            raise ConfigurationError(
+                "the store is open already; set the database URL before the App's first use"
+            )
+        self.engine.database_url = url
+
+    @property
+    def lease_ttl(self) -> timedelta:
+        return self.engine.lease_ttl
+
+    @property
+    def max_payload_bytes(self) -> int:
+        return self.engine.max_payload_bytes
+
+    @property
+    def secret_key(self) -> bytes | None:
         """The App's secret, or None (see the class documentation)."""
-        self.metrics = Metrics()
-        self._workflows: dict[str, WorkflowDef] = {}
-        self._steps: dict[str, StepDef] = {}
-        self._tools: dict[str, ToolDef] = {}
-        self._compensations: dict[str, ToolDef] = {}
-        self._store: Store | None = None
-        self._loop = LoopThread()
+        return self.engine.secret_key
+
+    @property
+    def reconcile_grace(self) -> timedelta:
+        return self.engine.reconcile_grace
 
     # -- registration -------------------------------------------------------------------
 
@@ -212,12 +237,11 @@ class App:
             if not inspect.iscoroutinefunction(fn):
                 raise ConfigurationError(f"workflow {fn.__name__} must be an async def")
             wf_name = name or fn.__name__
-            check_name("workflow", wf_name, self._workflows)
             if not version or "|" in version:
                 raise ConfigurationError(
                     f"workflow {wf_name}: version {version!r} is empty or has '|'"
                 )
-            self._workflows[wf_name] = WorkflowDef(wf_name, fn, version, budget or Budget())
+            self._registry.add_workflow(WorkflowDef(wf_name, fn, version, budget or Budget()))
             fn.__durably_workflow__ = wf_name  # type: ignore[attr-defined]
             return fn
 
@@ -234,9 +258,8 @@ class App:
 
         def register(fn: Callable[P, Any]) -> Durable[P, Any]:
             step_name = name or fn.__name__
-            check_name("step", step_name, {**self._steps, **self._tools})
             d = StepDef(step_name, fn, version, retry or RetryPolicy(), inspect.signature(fn))
-            self._steps[step_name] = d
+            self._registry.add_step(d)
             return Durable(d, fn)
 
         return cast(Register, register)
@@ -276,7 +299,6 @@ class App:
 
         def register(fn: Callable[P, Any]) -> Durable[P, Any]:
             tool_name = name or fn.__name__
-            check_name("tool", tool_name, {**self._steps, **self._tools})
             signature = inspect.signature(fn)
             if timeout is not None and not inspect.iscoroutinefunction(fn):
                 raise ConfigurationError(
@@ -318,80 +340,47 @@ class App:
                 approval_ttl=approval_ttl,
                 authorize=authorize,
             )
-            self._tools[tool_name] = d
+            self._registry.add_tool(d)
             return Durable(d, fn)
 
         return cast(Register, register)
 
     def workflow_def(self, name: str) -> WorkflowDef:
-        try:
-            return self._workflows[name]
-        except KeyError:
-            raise ConfigurationError(
-                f"no workflow named {name!r} is registered in this app (known: "
-                f"{sorted(self._workflows)})"
-            ) from None
+        """The registered workflow ``name`` (ConfigurationError if none)."""
+        return self._registry.workflow_def(name)
 
     @overload
     def tool_def(self, name: str) -> ToolDef: ...
     @overload
     def tool_def(self, name: str, *, missing_ok: Literal[True]) -> ToolDef | None: ...
     def tool_def(self, name: str, *, missing_ok: bool = False) -> ToolDef | None:
-        tool = self._tools.get(name)
-        if tool is None and not missing_ok:
-            raise ConfigurationError(f"no tool named {name!r} is registered")
-        return tool
-
-    async def compensate_run(self, ctx: runtime.RunContext) -> list[str]:
-        """Compensate every effect the execution reached (a cancellation asked for it)."""
-        return await effects.compensate(ctx, ())
+        """The registered tool ``name``."""
+        if missing_ok:
+            return self._registry.tool_def(name, missing_ok=True)
+        return self._registry.tool_def(name)
 
     def compensation_def(self, tool: ToolDef) -> ToolDef:
         """The compensation of ``tool``, itself an effect recorded in the ledger."""
-        if tool.name not in self._compensations:
-            undo = tool.compensate
-            assert undo is not None
-
-            def compensate(operation: dict[str, Any]) -> Any:
-                return undo(Operation(**operation))
-
-            self._compensations[tool.name] = ToolDef(
-                name=f"{tool.name}.compensate",
-                fn=compensate,
-                version=tool.version,
-                retry=tool.retry,
-                signature=inspect.signature(compensate),
-                idempotent=tool.idempotent,
-                classify=tool.classify,
-            )
-        return self._compensations[tool.name]
+        return self._registry.compensation_def(tool)
 
     @property
     def workflows(self) -> list[str]:
         """The registered workflows as ``"<name>|<version>"``: what this code can run."""
-        return sorted(f"{w.name}|{w.version}" for w in self._workflows.values())
+        return self._registry.versions
 
     # -- store --------------------------------------------------------------------------
 
     @property
     def store(self) -> Store:
-        if self._store is None:
-            raise ConfigurationError("the store is not open yet; call app.open() or run a workflow")
-        return self._store
+        return self.engine.store
 
     async def open(self) -> Store:
         """Open the store and apply pending migrations (done on first use)."""
-        if self._store is None:
-            store = open_store(self.database_url)
-            await store.migrate()
-            self._store = store
-        return self._store
+        return await self.engine.open()
 
     async def close_async(self) -> None:
         """Close the store's connections opened in the running event loop."""
-        if self._store is not None:
-            await self._store.close()
-            self._store = None
+        await self.engine.close()
 
     def close(self) -> None:
         """Close the store and stop the thread that runs the blocking methods."""
@@ -512,7 +501,7 @@ class App:
             run_id, owner or worker_id("inproc"), self.lease_ttl.total_seconds()
         )
         if claim is not None:
-            await runtime.drive(self, claim)
+            await runtime.drive(self.engine, claim)
         return await self.get_run_async(run_id)
 
     async def get_run_async(self, run_id: str) -> Run:
@@ -603,7 +592,7 @@ class App:
             journal_state.settle(step_id, result_json)
             journal_state.effect_completed(op.idempotency_key)
             op_status = OperationStatus.SUCCEEDED
-            tool = self._tools.get(op.tool)
+            tool = self._registry.tool_def(op.tool, missing_ok=True)
             if tool is not None and tool.external_id is not None:
                 try:
                     external_id = str(tool.external_id(result))
@@ -983,50 +972,3 @@ def _secret_key(secret: str | bytes | None) -> bytes | None:
 def new_run_id() -> str:
     """Time-ordered, unique run ids: ``run_<ms hex><random hex>``."""
     return f"run_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
-
-
-class LoopThread:
-    """One event loop on a daemon thread, where an App's blocking methods run.
-
-    Every blocking call shares it, so a store's connection pool (bound to a loop) lives as
-    long as the App instead of being rebuilt, and leaked, on each ``asyncio.run``.
-    """
-
-    def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def running(self) -> bool:
-        return self._loop is not None
-
-    def call(self, coro: Coroutine[Any, Any, R]) -> R:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            coro.close()
-            raise DurablyError(
-                "a blocking App method was called inside a running event loop; await its "
-                "_async variant instead (e.g. await app.run_async(...))"
-            )
-        with self._lock:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(
-                    target=self._loop.run_forever, name="durably-app-loop", daemon=True
-                )
-                self._thread.start()
-            loop = self._loop
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
-
-    def stop(self) -> None:
-        with self._lock:
-            loop, thread = self._loop, self._thread
-            self._loop = self._thread = None
-        if loop is not None and thread is not None:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join()
-            loop.close()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 from durably.errors import OutsideRunError
 
 if TYPE_CHECKING:
-    from durably.runtime import RunContext
+    from durably.execution import RunContext
 
 P = ParamSpec("P")
 R = TypeVar("R")

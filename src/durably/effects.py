@@ -35,6 +35,7 @@ from durably.errors import (
     StepFailed,
     ToolError,
 )
+from durably.execution import Cancel, RunContext, Suspend, error_dict
 from durably.keys import (
     canonical_json,
     idempotency_key,
@@ -45,7 +46,6 @@ from durably.keys import (
 from durably.ledger import Action, OperationView, decide
 from durably.reconcile import Operation, Reconciliation
 from durably.redaction import redact, scrub
-from durably.runtime import Cancel, RunContext, Suspend, error_dict
 from durably.status import FailureCategory, OperationStatus, PauseReason, RunStatus, StepStatus
 from durably.store.base import (
     Approval,
@@ -109,7 +109,7 @@ class Effect:
         self.step_id, self.position = ctx.allocate(tool.name, explicit_step_id)
         ctx.count("tool_calls")
         self.arguments = bind_arguments(tool.signature, tool.name, args, kwargs)
-        secret = ctx.app.secret_key if tool.redact else None
+        secret = ctx.engine.secret_key if tool.redact else None
         self.input_hash = input_hash(tool.name, tool.version, self.arguments, key=secret)
         run = ctx.run
         self.key = idempotency_key(
@@ -143,10 +143,10 @@ class Effect:
         # input_hash() already proved the arguments are plain JSON.
         self.stored_arguments = redact(tool, secret, self.arguments)
         self.arguments_json = plain_json(self.stored_arguments)
-        if len(self.arguments_json) > ctx.app.max_payload_bytes:
+        if len(self.arguments_json) > ctx.engine.max_payload_bytes:
             raise PayloadTooLarge(
                 f"the arguments of {tool.name} are {len(self.arguments_json)} bytes of JSON, "
-                f"over the limit of {ctx.app.max_payload_bytes}; pass a reference instead",
+                f"over the limit of {ctx.engine.max_payload_bytes}; pass a reference instead",
                 run_id=ctx.run.run_id,
                 step_id=self.step_id,
             )
@@ -155,7 +155,7 @@ class Effect:
     # -- the loop -----------------------------------------------------------------------
 
     async def settle(self) -> Any:
-        metrics = self.ctx.app.metrics
+        metrics = self.ctx.engine.metrics
         if self.op is None:
             # Only a brand-new call stops for a cancel, a shutdown or the budget: an effect
             # already under way is settled first (reconciled if need be), never abandoned.
@@ -424,7 +424,7 @@ class Effect:
             and previous.status == "approved"
             and previous.expires_at <= now
         ):
-            self.ctx.app.metrics.approval_expired.inc()
+            self.ctx.engine.metrics.approval_expired.inc()
         await self._wait_for_approval(
             uuid.uuid4().hex,
             now + self.tool.approval_ttl.total_seconds(),
@@ -532,7 +532,7 @@ class Effect:
         returned_at = time.monotonic()
         faults.crash_point("effect.after_call")
         await self._record_success(result)
-        self.ctx.app.metrics.checkpoint_lag.observe(time.monotonic() - returned_at)
+        self.ctx.engine.metrics.checkpoint_lag.observe(time.monotonic() - returned_at)
         faults.crash_point("effect.after_record")
 
     async def _record_success(
@@ -542,7 +542,7 @@ class Effect:
             result_json = canonical_json(
                 result,
                 what=f"the result of tool {self.tool.name} at {self.step_id}",
-                limit=self.ctx.app.max_payload_bytes,
+                limit=self.ctx.engine.max_payload_bytes,
             )
         except (NotJSONSerializable, PayloadTooLarge) as exc:
             await self._refuse_result(error_dict(exc), record=True)
@@ -654,7 +654,7 @@ class Effect:
         if isinstance(exc, ToolError) and exc.retry_after is not None:
             error["retry_after_s"] = exc.retry_after.total_seconds()
         if category is FailureCategory.UNKNOWN_OUTCOME:
-            self.ctx.app.metrics.unknown.labels(tool=self.tool.name).inc()
+            self.ctx.engine.metrics.unknown.labels(tool=self.tool.name).inc()
             status = OperationStatus.UNKNOWN
         else:
             status = OperationStatus.FAILED
@@ -674,7 +674,7 @@ class Effect:
     async def _reconcile(self) -> None:
         op = self.op
         assert op is not None
-        metrics = self.ctx.app.metrics
+        metrics = self.ctx.engine.metrics
         if op.status is not OperationStatus.RECONCILING:
             await self._apply(
                 self._write(OperationStatus.RECONCILING, error=op.error),
@@ -750,7 +750,7 @@ class Effect:
         previous = self.ctx.previous_lease_until
         if previous is None:
             return 0.0
-        grace = self.ctx.app.reconcile_grace.total_seconds()
+        grace = self.ctx.engine.reconcile_grace.total_seconds()
         return previous + grace - await self.ctx.store.now()
 
     async def _ask(self) -> Reconciliation:
@@ -880,10 +880,10 @@ async def compensate(ctx: RunContext, step_ids: tuple[str, ...]) -> list[str]:
     for op in candidates:
         if step_ids and op.step_id not in step_ids:
             continue
-        tool = ctx.app.tool_def(op.tool, missing_ok=True)
+        tool = ctx.engine.registry.tool_def(op.tool, missing_ok=True)
         if tool is None or tool.compensate is None:
             continue
-        undo = ctx.app.compensation_def(tool)
+        undo = ctx.engine.registry.compensation_def(tool)
         operation = Operation(
             run_id=op.run_id,
             step_id=op.step_id,

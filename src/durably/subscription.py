@@ -23,7 +23,7 @@ from durably.errors import ConfigurationError, StoreUnavailable
 from durably.store.base import Event
 
 if TYPE_CHECKING:
-    from durably.app import App
+    from durably.engine import HasEngine
 
 log = logging.getLogger("durably.subscription")
 
@@ -33,7 +33,7 @@ class Subscription:
 
     def __init__(
         self,
-        app: App,
+        app: HasEngine,
         handler: Callable[[Event], Any],
         *,
         consumer: str,
@@ -42,7 +42,7 @@ class Subscription:
     ) -> None:
         if not consumer:
             raise ConfigurationError("a subscription needs a consumer name (its inbox key)")
-        self.app = app
+        self.engine = app.engine
         self.handler = handler
         self.consumer = consumer
         self.batch = batch
@@ -56,7 +56,7 @@ class Subscription:
         A handler that raises leaves its event pending (retried next time) and holds back
         the later events of the same run, so each run's events arrive in order.
         """
-        store = await self.app.open()
+        store = await self.engine.open()
         held: set[str] = set()
         acknowledged = 0
         while True:
@@ -96,7 +96,7 @@ class Subscription:
 
     def run(self, *, until_idle: bool = False) -> int:
         """Block delivering events; returns how many were acknowledged in all."""
-        return self.app._loop.call(self.run_async(until_idle=until_idle))
+        return self.engine.block(self.run_async(until_idle=until_idle))
 
     def stop(self) -> None:
         self._stopping.set()

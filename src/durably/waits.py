@@ -22,8 +22,8 @@ from durably.errors import (
     NonDeterminismError,
     WaitTimeout,
 )
+from durably.execution import RunContext, Suspend
 from durably.keys import canonical_json, input_hash, sha256_hex
-from durably.runtime import RunContext, Suspend
 from durably.status import RunStatus, StepStatus
 from durably.store.base import (
     FAR_FUTURE,
@@ -275,7 +275,7 @@ async def approval(
                 await wait.settle(wait.outcome, "approval_granted", use=use)
             except ApprovalExpired:
                 # It expired between the check and the store's judgement: ask again.
-                ctx.app.metrics.approval_expired.inc()
+                ctx.engine.metrics.approval_expired.inc()
                 now = await ctx.store.now()
                 await _request(
                     wait, name, payload, payload_json, payload_hash, latest, now + ttl, now

@@ -24,7 +24,7 @@ from durably import runtime
 from durably.errors import ConfigurationError, StoreUnavailable
 
 if TYPE_CHECKING:
-    from durably.app import App
+    from durably.engine import HasEngine
 
 log = logging.getLogger("durably.worker")
 
@@ -43,7 +43,7 @@ class Worker:
 
     def __init__(
         self,
-        app: App,
+        app: HasEngine,
         *,
         concurrency: int = 1,
         lease_ttl: timedelta = timedelta(seconds=30),
@@ -51,7 +51,7 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ConfigurationError("worker concurrency must be at least 1")
-        self.app = app
+        self.engine = app.engine
         self.concurrency = concurrency
         self.lease_ttl_s = lease_ttl.total_seconds()
         self.poll_interval_s = poll_interval.total_seconds()
@@ -87,7 +87,7 @@ class Worker:
                 previous[sig] = signal.signal(sig, lambda *_: self.stop())
         try:
             # On the App's own loop: the store's connections are shared, not reopened.
-            return self.app._loop.call(self.run_async(until_idle=until_idle))
+            return self.engine.block(self.run_async(until_idle=until_idle))
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -100,7 +100,7 @@ class Worker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
                 handled.append(sig)
-        await self.app.open()
+        await self.engine.open()
         # Slots that stop when idle never wait for work: no listener (nor its connection).
         listener = None if until_idle else asyncio.create_task(self._listen())
         slots = [asyncio.create_task(self._slot(until_idle)) for _ in range(self.concurrency)]
@@ -118,7 +118,7 @@ class Worker:
 
     async def _listen(self) -> None:
         """Wake the idle slots when the store says a run became runnable."""
-        store = self.app.store
+        store = self.engine.store
         while not self._stopping.is_set():
             try:
                 notified = await store.wait_for_work(self.poll_interval_s)
@@ -133,8 +133,8 @@ class Worker:
             self._work.notify_all()
 
     async def _slot(self, until_idle: bool) -> None:
-        store = self.app.store
-        workflows = self.app.workflows
+        store = self.engine.store
+        workflows = self.engine.registry.versions
         backoff = self.poll_interval_s
         while not self._stopping.is_set():
             try:
@@ -151,7 +151,7 @@ class Worker:
             if claim is not None:
                 self.executed += 1
                 try:
-                    await runtime.drive(self.app, claim, self._stopping)
+                    await runtime.drive(self.engine, claim, self._stopping)
                 except Exception:
                     log.exception("run %s: unexpected error in the runtime", claim.run.run_id)
                 continue

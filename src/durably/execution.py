@@ -1,0 +1,373 @@
+"""One execution of one run by one lease holder: its state, its commits, its stop signals.
+
+The workflow's coroutine, the step and tool calls it makes, and the waits all share one
+:class:`RunContext`. Control flow that must stop the workflow (the run suspended, paused or
+cancelled) is a ``BaseException``, so no ``except Exception`` in workflow or framework code
+can swallow it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from durably import faults
+from durably.checkpoint import JournalState
+from durably.errors import (
+    BudgetExceeded,
+    DurablyError,
+    InvalidTransition,
+    LeaseLostError,
+    NonDeterminismError,
+    StoreUnavailable,
+)
+from durably.status import PauseReason, RunStatus
+from durably.store.base import (
+    Approval,
+    Committed,
+    EventWrite,
+    Lease,
+    OperationRecord,
+    RunRecord,
+    RunUpdate,
+    Signal,
+    StepRecord,
+    Store,
+    Transition,
+)
+from durably.values import storable_text
+
+if TYPE_CHECKING:
+    from durably.engine import Engine
+
+log = logging.getLogger("durably")
+
+
+class Cancel(BaseException):
+    """Unwinds a workflow whose cancellation was requested, at a call boundary."""
+
+
+class Suspend(BaseException):
+    """Unwinds a workflow whose run stopped here (paused or waiting); already committed.
+
+    A BaseException so that a workflow's ``except Exception`` cannot swallow it.
+    """
+
+
+def error_dict(exc: BaseException) -> dict[str, Any]:
+    """An exception as recorded: its message may hold anything (a NUL, a lone surrogate from
+    a cut-off response), and recording the outcome must not fail on it."""
+    return {"type": type(exc).__name__, "message": storable_text(str(exc))}
+
+
+@dataclass
+class RunContext:
+    """One execution of one run by one lease holder."""
+
+    engine: Engine
+    store: Store
+    run: RunRecord
+    lease: Lease
+    journal: JournalState
+    steps: dict[str, StepRecord]
+    operations: dict[str, OperationRecord]
+    counters: Counter[str] = field(default_factory=Counter)
+    positions: int = 0
+    stopped: bool = False
+    """Set when this execution must write nothing more: the lease is lost or the store
+    failed. The store, read again by whoever continues the run, is then the truth."""
+    draining: asyncio.Event | None = None
+    """Set when the worker shuts down: the run is released at its next call boundary."""
+    lost: DurablyError | None = None
+    """Why this execution stopped writing: LeaseLostError or StoreUnavailable."""
+    poisoned: DurablyError | None = None
+    """A divergence found in this execution (non-determinism, idempotency conflict): the
+    run pauses with it even if workflow code caught the exception."""
+    by_position: dict[int, StepRecord] = field(init=False)
+    reached: list[str] = field(default_factory=list)
+    """Step ids allocated in this execution, in order."""
+    inflight: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    """Tool executions between their call and their recorded outcome."""
+    signals: list[Signal] = field(default_factory=list)
+    """Events delivered to the run and not consumed yet, in arrival order."""
+    cancel_requested: int = 0
+    """0: no; 1: cancel at the next boundary; 2: cancel and compensate."""
+    cancelling: bool = False
+    approvals: dict[str, list[Approval]] = field(default_factory=dict)
+    usage: dict[str, float] = field(default_factory=dict)
+    plan_version: int = 1
+    """The plan version at this point of the execution: replay starts at 1 and each
+    recorded ``replan()`` bumps it, so every call derives the key it had originally."""
+    """Steps, tool calls, tokens and cost so far (recomputed by every replay)."""
+    """The run's approval requests by step id, oldest first."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Serialises this run's commits, so that checkpoints follow the order results commit in
+    (parallel calls would otherwise race on separate connections)."""
+    lease_deadline: float = float("inf")
+    """``time.monotonic()`` by which the lease has run out unless renewed: the store fences
+    late writes, but only this process can stop itself from sending late."""
+    previous_lease_until: float | None = None
+    """The previous holder's lease deadline (store clock), if this execution recovered the
+    run from another holder whose sends may still be arriving."""
+
+    def __post_init__(self) -> None:
+        self.by_position = {s.position: s for s in self.steps.values()}
+
+    def allocate(self, name: str, explicit: str | None) -> tuple[str, int]:
+        """The deterministic step id of the next call: ``<name>#<n>`` or the explicit one."""
+        if self.stopped:
+            raise Suspend
+        self.counters[name] += 1
+        step_id = explicit or f"{name}#{self.counters[name]}"
+        if step_id in self.reached:
+            raise self.poison(
+                NonDeterminismError(
+                    f"step id {step_id!r} is used twice in this run; give each call its own "
+                    "step id (with_step_id) or let durably number them",
+                    run_id=self.run.run_id,
+                    step_id=step_id,
+                )
+            )
+        self.positions += 1
+        self.reached.append(step_id)
+        return step_id, self.positions
+
+    async def _outlast(self, t: Transition) -> Committed:
+        """Commit ``t``, retrying through a store outage for as long as the lease lasts.
+
+        A retry after a COMMIT whose answer was lost may find it applied: the operation's
+        row version then no longer matches, and the ledger is read back to confirm.
+        """
+        deadline = time.monotonic() + self.lease.ttl_s * 0.8
+        delay = 0.1
+        ambiguous = False
+        while True:
+            try:
+                return await self.store.commit(self.lease, t)
+            except StoreUnavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning(
+                    "run %s: store unavailable, retrying the record (%s)", self.run.run_id, exc
+                )
+                ambiguous = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            except InvalidTransition:
+                applied = await self._applied(t) if ambiguous else None
+                if applied is None:
+                    raise
+                return applied
+
+    async def _applied(self, t: Transition) -> Committed | None:
+        """The commit of ``t`` if the store shows it applied (after a lost COMMIT answer)."""
+        o = t.operation
+        journal = await self.store.load_journal(self.run.run_id, checkpoints=0)
+        if o is None or journal is None:
+            return None
+        op = next((x for x in journal.operations if x.idempotency_key == o.idempotency_key), None)
+        if op is None or op.status is not o.status or op.result_json != o.result_json:
+            return None
+        run = journal.run
+        if run.lease_owner != self.lease.owner or run.lease_epoch != self.lease.epoch:
+            return None
+        return Committed(
+            run.last_sequence,
+            run.state_version,
+            op.row_version,
+            run.lease_until,
+            run.cancel_requested,
+        )
+
+    def renewed(self, sent_at: float) -> None:
+        """The store extended the lease by a request sent at ``sent_at`` (monotonic)."""
+        self.lease_deadline = max(self.lease_deadline, sent_at + self.lease.ttl_s)
+
+    def check_lease(self) -> None:
+        """Raise if this execution must not start anything: it stopped, or this process
+        outlived its lease by its own clock (paused by GC, SIGSTOP, a slow network) and
+        another worker may already own the run and be settling the same call."""
+        if self.lost is not None:
+            raise self.lost
+        late = time.monotonic() - self.lease_deadline
+        if late >= 0:
+            error = LeaseLostError(
+                f"run {self.run.run_id}: this worker's lease ran out {late:.2f}s ago by its own "
+                "clock (the process was paused or starved); another worker may own the run "
+                "now, so nothing more is started or sent from here",
+                run_id=self.run.run_id,
+            )
+            self.stop_writing(error)
+            raise error
+
+    def hold_lease(self) -> None:
+        """:meth:`check_lease` for the runtime itself, right before a step body or a tool
+        call starts: the stop unwinds the workflow as ``Suspend``, which no ``except
+        Exception`` in workflow or framework code can swallow."""
+        try:
+            self.check_lease()
+        except DurablyError as exc:
+            raise Suspend from exc
+
+    def stop_writing(self, reason: DurablyError) -> None:
+        self.stopped = True
+        if self.lost is None:
+            self.lost = reason
+            log.warning("run %s: stopped (%s)", self.run.run_id, reason)
+
+    def poison(self, error: DurablyError) -> DurablyError:
+        if self.poisoned is None:
+            self.poisoned = error
+        return error
+
+    async def quiesce(self, *, exclude: int | None = None) -> None:
+        """Wait until the run's other in-flight tool executions have recorded their outcome.
+
+        Parallel calls keep running when one of them fails or pauses the run; their
+        outcomes must be recorded before the run is released, or they would need
+        reconciling although this worker knew them.
+        """
+        pending = [f for key, f in self.inflight.items() if key != exclude]
+        if pending:
+            await asyncio.wait([asyncio.shield(f) for f in pending])
+
+    async def boundary(self) -> None:
+        """Before a call starts: stop here if the run is cancelled, or release it if the
+        worker is shutting down. Never in the middle of an effect."""
+        if self.cancel_requested and not self.cancelling:
+            raise Cancel
+        if self.draining is not None and self.draining.is_set() and not self.stopped:
+            await self.quiesce()
+            await self.commit(
+                Transition(
+                    events=[EventWrite("run_released", None, {"reason": "shutdown"})], release=True
+                )
+            )
+            self.stopped = True
+            raise Suspend
+
+    async def commit(
+        self,
+        transition: Transition | Callable[[], Transition],
+        *,
+        settle: tuple[str, str] | None = None,
+        effect: str | None = None,
+        durable: bool = False,
+    ) -> Committed:
+        """Commit under this run's lease, one commit at a time.
+
+        ``transition`` may be a function, called under the lock after ``settle`` (a step id
+        and its output JSON) and ``effect`` (an idempotency key) were added to the journal,
+        so the checkpoint it drafts includes them. ``durable``: the transition records an
+        outcome only this process knows (a tool's result), so a store outage is waited out
+        while the lease lasts instead of leaving the outcome to reconciliation.
+        """
+        async with self.lock:
+            if self.stopped:
+                raise Suspend
+            before = replace(self.journal)
+            if settle is not None:
+                self.journal.settle(*settle)
+            if effect is not None:
+                self.journal.effect_completed(effect)
+            self.journal.budget = self.budget()
+            t = transition() if callable(transition) else transition
+            sent_at = time.monotonic()
+            try:
+                committed = await (
+                    self._outlast(t) if durable else self.store.commit(self.lease, t)
+                )
+            except (LeaseLostError, StoreUnavailable) as exc:
+                self.stop_writing(exc)
+                raise
+            except BaseException:
+                self.journal = before  # refused: the journal stays as the store has it
+                raise
+            self.cancel_requested = committed.cancel_requested
+            if not t.release:
+                self.renewed(sent_at)
+        if t.checkpoint is not None:
+            faults.crash_point("checkpoint.after_write")
+        return committed
+
+    def replayed(self, step_id: str, position: int, kind: str, name: str, ih: str) -> None:
+        """Raise if the journal holds a different call at this position or step id."""
+        step = self.steps.get(step_id)
+        if step is None:
+            other = self.by_position.get(position)
+            if other is not None:
+                raise self.poison(
+                    NonDeterminismError(
+                        f"call #{position} of this run was recorded as {other.kind} "
+                        f"{other.step_id!r} but the workflow now calls {kind} {step_id!r} there; "
+                        "the workflow code changed under a running run. Deploy the old code for "
+                        "it, or start a new run",
+                        run_id=self.run.run_id,
+                        step_id=step_id,
+                    )
+                )
+            return
+        if step.kind != kind or step.name != name:
+            raise self.poison(
+                NonDeterminismError(
+                    f"step {step.step_id} was recorded as {step.kind} {step.name!r} but the "
+                    f"workflow now calls {kind} {name!r} there; the workflow code changed under a "
+                    "running run. Deploy the old code for it, or give the new call step_id=...",
+                    run_id=self.run.run_id,
+                    step_id=step.step_id,
+                )
+            )
+        if kind == "step" and step.input_hash != ih:
+            raise self.poison(
+                NonDeterminismError(
+                    f"step {step.step_id} ({name}) is called with other arguments than recorded; "
+                    "workflow code between calls must be deterministic (no clock, random or I/O "
+                    "outside steps)",
+                    run_id=self.run.run_id,
+                    step_id=step.step_id,
+                )
+            )
+
+    def budget(self) -> dict[str, Any]:
+        return dict(self.usage)
+
+    def count(self, what: str, amount: float = 1) -> None:
+        self.usage[what] = self.usage.get(what, 0) + amount
+
+    async def check_budget(self) -> None:
+        """Pause the run (``budget_exceeded``) if its usage is over its workflow's budget."""
+        over = self.engine.registry.workflow_def(self.run.workflow).budget.exceeded(self.usage)
+        if over is None:
+            return
+        await self.quiesce()
+        error = BudgetExceeded(
+            f"run {self.run.run_id} is over its budget ({over}); raise the workflow's budget "
+            "and resume it, or cancel it",
+            run_id=self.run.run_id,
+        )
+        await self.commit(
+            lambda: ending(RunStatus.PAUSED, PauseReason.BUDGET_EXCEEDED, error, self)
+        )
+        self.stopped = True
+        raise Suspend
+
+
+def ending(
+    status: RunStatus, reason: PauseReason | None, exc: BaseException, ctx: RunContext | None
+) -> Transition:
+    """The transition that records a failed or paused run and releases it."""
+    error = error_dict(exc)
+    if isinstance(exc, DurablyError) and exc.step_id:
+        error["step_id"] = exc.step_id
+    event = "run_failed" if status is RunStatus.FAILED else "run_paused"
+    return Transition(
+        events=[EventWrite(event, None, {"reason": reason.value if reason else None, **error})],
+        run=RunUpdate(status, status_reason=reason.value if reason else None, error=error),
+        checkpoint=ctx.journal.draft(status=status, current_step=None) if ctx else None,
+        release=True,
+    )

@@ -1,0 +1,59 @@
+"""The event loop on its own thread where an App's blocking methods run."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from durably.errors import DurablyError
+
+R = TypeVar("R")
+
+
+class LoopThread:
+    """One event loop on a daemon thread, where an App's blocking methods run.
+
+    Every blocking call shares it, so a store's connection pool (bound to a loop) lives as
+    long as the App instead of being rebuilt, and leaked, on each ``asyncio.run``.
+    """
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def running(self) -> bool:
+        return self._loop is not None
+
+    def call(self, coro: Coroutine[Any, Any, R]) -> R:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            coro.close()
+            raise DurablyError(
+                "a blocking App method was called inside a running event loop; await its "
+                "_async variant instead (e.g. await app.run_async(...))"
+            )
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._loop.run_forever, name="durably-app-loop", daemon=True
+                )
+                self._thread.start()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    def stop(self) -> None:
+        with self._lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
