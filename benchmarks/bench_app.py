@@ -9,6 +9,8 @@ measure durably and its database, not a service. When ``$DURABLY_BENCH_EFFECT_LO
 file, every execution of a tool body appends one line ``<run index> <channel> <idempotency
 key> <pid>`` to it with a single ``O_APPEND`` write, which is atomic between processes on a
 local filesystem: the benchmark reads it back to prove that no effect was executed twice.
+A run's result carries ``lease_epoch``, the fencing token of the execution that completed
+it: 1 when the run was claimed exactly once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ CHANNELS = ("email", "sms")
 """The two effects of every run, in order."""
 STEPS_PER_RUN = 2
 EFFECTS_PER_RUN = len(CHANNELS)
+RUN_ID_PREFIX = "bench-"
+
+
+def run_id(i: int) -> str:
+    """The id of the benchmark's i-th run."""
+    return f"{RUN_ID_PREFIX}{i:06d}"
+
 
 _log_fds: dict[str, int] = {}
 
@@ -56,7 +65,12 @@ def build(database_url: str | None = None) -> durably.App:
         base = await price(i, "base")
         tax = await price(i, "tax")
         sent = [await notify(i, channel) for channel in CHANNELS]
-        return {"i": i, "total": base["amount"] + tax["amount"], "sent": [s["id"] for s in sent]}
+        return {
+            "i": i,
+            "total": base["amount"] + tax["amount"],
+            "sent": [s["id"] for s in sent],
+            "lease_epoch": durably.fencing_token(),
+        }
 
     return app
 

@@ -51,7 +51,7 @@ def chain_digest(previous: str, step_id: str, output_hash: str) -> str:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One recoverable boundary of a run (DESIGN.md §2)."""
+    """One recoverable boundary of a run (docs/architecture.md#checkpoints)."""
 
     checkpoint_id: str
     run_id: str

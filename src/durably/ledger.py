@@ -1,4 +1,4 @@
-"""The decision matrix of the tool operation ledger (DESIGN.md §4), as pure logic.
+"""The ledger's decision matrix, as pure logic (docs/architecture.md#the-decision-matrix).
 
 Given what the ledger holds for an idempotency key, :func:`decide` says what the runtime
 must do next. It touches no database, so it is tested exhaustively on its own.

@@ -1,4 +1,4 @@
-"""Prometheus metrics with the names fixed by DESIGN.md §8 (seed 2 §44).
+"""Prometheus metrics with the names fixed in docs/architecture.md#metrics.
 
 Each :class:`~durably.App` owns a :class:`Metrics` on its own registry, so two apps in one
 process (tests, a console serving several) never mix their counts.

@@ -1,4 +1,4 @@
-"""The status sets and categories whose names are part of durably's contract (DESIGN.md §3)."""
+"""Status sets and categories whose names are a contract (docs/architecture.md#status-sets)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from durably.metrics import Metrics
 
 RULES = resources.files("durably") / "alerts" / "durably.rules.yml"
 
-# seed 2 §45: what must be alerted on, and a metric that shows it.
+# docs/architecture.md#metrics: what must be alerted on, and a metric that shows it.
 REQUIRED = {
     "duplicate side effect": "agent_duplicate_side_effect_total",
     "unknown unresolved": "agent_tool_unknown_oldest_seconds",

@@ -49,7 +49,7 @@ TOOL_TIMEOUT_S = 2.0
 """Short on purpose: a slow answer becomes an unknown outcome that durably settles safely."""
 
 MODEL_PROFILE = "report-writer/shop-draft-1/temperature-0"
-"""The model configuration a recorded model call was made with (seed 2 §27)."""
+"""The model configuration a recorded model call was made with."""
 
 
 def shop_url() -> str:
