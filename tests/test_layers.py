@@ -35,6 +35,8 @@ LAYERS: dict[str, int] = {
     "durably.store": 2,
     # engine: executing runs, given its collaborators
     "durably.engine": 3,
+    "durably.actions": 3,
+    "durably.views": 3,
     "durably.execution": 3,
     "durably.context": 3,
     "durably.runtime": 3,

@@ -8,7 +8,7 @@ goes to a person; durably never guesses.
 
 from __future__ import annotations
 
-from durably.app import App, Durable, Run
+from durably.app import App, Durable
 from durably.checkpoint import Checkpoint, register_checkpoint_migration
 from durably.context import (
     RunInfo,
@@ -57,6 +57,7 @@ from durably.status import (
 )
 from durably.store.base import Approval, Event
 from durably.subscription import Subscription
+from durably.views import Run
 from durably.waits import approval, replan, sleep, wait_for_event
 from durably.workflow_api import charge, compensate
 

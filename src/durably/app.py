@@ -5,16 +5,11 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import secrets
-import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
-from durably import context, effects, runtime
-from durably.checkpoint import checksum_holds
+from durably import actions, context, effects, runtime, views
 from durably.definitions import (
     Budget,
     Classifier,
@@ -26,82 +21,30 @@ from durably.definitions import (
 )
 from durably.engine import Engine
 from durably.errors import (
-    ApprovalExpired,
     ConfigurationError,
-    IdempotencyConflict,
-    InvalidInput,
-    InvalidTransition,
     RunNotFound,
 )
 from durably.keys import (
     DEFAULT_MAX_PAYLOAD_BYTES,
-    KEY_SCHEME,
-    canonical_json,
-    plain_json,
-    sha256_hex,
 )
 from durably.metrics import Metrics
 from durably.reconcile import Operation
 from durably.registry import Registry
-from durably.status import FailureCategory, OperationStatus, PauseReason, RunStatus, StepStatus
+from durably.status import RunStatus
 from durably.store.base import (
     Approval,
     Event,
-    EventWrite,
-    Expect,
-    NewRun,
-    OperationWrite,
-    RunRecord,
-    RunUpdate,
-    StepWrite,
     Store,
-    Transition,
 )
 from durably.subscription import Subscription
-from durably.values import MAX_TEXT_CHARS, check_id, check_text
-from durably.worker import Worker, worker_id
+from durably.values import check_text
+from durably.views import Run
+from durably.worker import Worker
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 DEFAULT_DATABASE_URL = "sqlite:///durably.db"
-
-
-@dataclass(frozen=True)
-class Run:
-    """A run as its caller sees it."""
-
-    run_id: str
-    workflow: str
-    status: RunStatus
-    result: Any
-    error: dict[str, Any] | None
-    status_reason: str | None
-    waiting_for: dict[str, Any] | None
-    tenant: str
-    created_at: float
-    updated_at: float
-
-    @classmethod
-    def from_record(cls, r: RunRecord) -> Run:
-        return cls(
-            run_id=r.run_id,
-            workflow=r.workflow,
-            status=r.status,
-            result=None if r.result_json is None else _loads(r.result_json),
-            error=r.error,
-            status_reason=r.status_reason,
-            waiting_for=r.waiting_for,
-            tenant=r.tenant,
-            created_at=r.created_at,
-            updated_at=r.updated_at,
-        )
-
-
-def _loads(text: str) -> Any:
-    import json
-
-    return json.loads(text)
 
 
 class Durable(Generic[P, R]):
@@ -407,41 +350,8 @@ class App:
         **kwargs: Any,
     ) -> str:
         """Record a new queued run (idempotent on ``run_id``) and return its id."""
-        if run_id is not None:
-            check_id(run_id, "run id")
-        check_id(tenant, "tenant")
         wf = self._resolve_workflow(workflow)
-        try:
-            inspect.signature(wf.fn).bind(*args, **kwargs)
-        except TypeError as exc:
-            raise InvalidInput(
-                f"workflow {wf.name} cannot take this input ({exc}); its signature is "
-                f"{wf.name}{inspect.signature(wf.fn)}"
-            ) from None
-        store = await self.open()
-        run_input = {"args": list(args), "kwargs": kwargs}
-        input_json = canonical_json(
-            run_input, what=f"the input of {wf.name}", limit=self.max_payload_bytes
-        )
-        ih = sha256_hex(canonical_json({"workflow": wf.name, "input": run_input}))
-        new = NewRun(
-            run_id=run_id or new_run_id(),
-            tenant=tenant,
-            workflow=wf.name,
-            workflow_version=wf.version,
-            input=run_input,
-            input_json=input_json,
-            input_hash=ih,
-            key_scheme=KEY_SCHEME,
-        )
-        record, created = await store.create_run(new)
-        if not created and (record.input_hash != ih or record.tenant != tenant):
-            raise IdempotencyConflict(
-                f"run {new.run_id} already exists with another workflow, input or tenant; "
-                "use a new run_id for a new run",
-                run_id=new.run_id,
-            )
-        return record.run_id
+        return await actions.start(self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
 
     def start(
         self,
@@ -484,24 +394,7 @@ class App:
 
     async def execute_async(self, run_id: str, *, owner: str | None = None) -> Run:
         """Execute a runnable run in this process, if no live worker holds it."""
-        check_text(run_id, "run id")
-        store = await self.open()
-        record = await store.get_run(run_id)
-        if record is None:
-            raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
-        wf = self.workflow_def(record.workflow)
-        if record.workflow_version != wf.version:
-            raise ConfigurationError(
-                f"run {run_id} is pinned to {wf.name} version {record.workflow_version!r}, but "
-                f"this code has version {wf.version!r}; run it with a worker that has that "
-                "version (runs never switch code mid-flight)",
-                run_id=run_id,
-            )
-        claim = await store.claim_run(
-            run_id, owner or worker_id("inproc"), self.lease_ttl.total_seconds()
-        )
-        if claim is not None:
-            await runtime.drive(self.engine, claim)
+        await actions.execute(self.engine, run_id, owner=owner)
         return await self.get_run_async(run_id)
 
     async def get_run_async(self, run_id: str) -> Run:
@@ -548,120 +441,8 @@ class App:
         run execute it again with the same idempotency key; ``failed`` fails the call (the
         workflow sees :class:`StepFailed`). The run becomes runnable (``queued``).
         """
-        check_text(run_id, "run id")
-        check_text(step_id, "step id")
-        check_text(by, "by")
-        store = await self.open()
-        journal = await store.load_journal(run_id, checkpoints=runtime.CHECKPOINTS_READ)
-        if journal is None:
-            raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
-        run = journal.run
-        if run.status is not RunStatus.PAUSED:
-            raise InvalidTransition(
-                f"run {run_id} is {run.status}; only a paused run's effects are resolved by hand",
-                run_id=run_id,
-            )
-        ops = [o for o in journal.operations if o.step_id == step_id]
-        settleable = (
-            OperationStatus.UNKNOWN,
-            OperationStatus.RECONCILING,
-            OperationStatus.EXECUTING,
-            OperationStatus.FAILED,
-        )
-        refused = bool(ops) and runtime.refused_result(ops[0]) and outcome == "succeeded"
-        if not ops or (ops[0].status not in settleable and not refused):
-            found = ops[0].status.value if ops else "no effect"
-            raise InvalidTransition(
-                f"step {step_id} of run {run_id} has {found}; only an unknown (or stuck) effect "
-                "can be resolved",
-                run_id=run_id,
-                step_id=step_id,
-            )
-        op = ops[0]
-        step = next(s for s in journal.steps if s.step_id == step_id)
-        # Verify first: a new checkpoint over an altered journal would launder the damage.
-        journal_state, corrupted = await runtime.verified(store, journal, self.secret_key)
-        result_json = None
-        external_id: str | None = None
-        error: dict[str, Any] | None = None
-        category = None
-        if outcome == "succeeded":
-            result_json = canonical_json(
-                result, what="the resolved result", limit=self.max_payload_bytes
-            )
-            journal_state.settle(step_id, result_json)
-            journal_state.effect_completed(op.idempotency_key)
-            op_status = OperationStatus.SUCCEEDED
-            tool = self._registry.tool_def(op.tool, missing_ok=True)
-            if tool is not None and tool.external_id is not None:
-                try:
-                    external_id = str(tool.external_id(result))
-                except Exception as exc:
-                    raise InvalidTransition(
-                        f"the result given for {step_id} is not shaped like what {op.tool} "
-                        f"returns (its external_id function failed: {exc!r}); pass the "
-                        "service's record as the tool would have returned it",
-                        run_id=run_id,
-                        step_id=step_id,
-                    ) from exc
-        elif outcome == "not_executed":
-            op_status = OperationStatus.INTENT_RECORDED
-        elif outcome == "failed":
-            op_status = OperationStatus.FAILED
-            category = FailureCategory.BUSINESS_REJECTED.value
-            error = {"type": "ResolvedAsFailed", "message": f"resolved as failed by {by}"}
-        else:
-            raise ConfigurationError(f"unknown outcome {outcome!r}")
-        await store.commit(
-            Expect(run_id, run.state_version),
-            Transition(
-                events=[
-                    *([corrupted] if corrupted else []),
-                    EventWrite(
-                        "effect_resolved",
-                        step_id,
-                        {
-                            "outcome": outcome,
-                            "by": by,
-                            "idempotency_key": op.idempotency_key,
-                            "output_hash": sha256_hex(result_json) if result_json else None,
-                        },
-                    ),
-                ],
-                step=StepWrite(
-                    step_id,
-                    step.position,
-                    "tool",
-                    step.name,
-                    StepStatus(op_status.value),
-                    step.input_hash,
-                    output_json=result_json,
-                    error=error,
-                    idempotency_key=op.idempotency_key,
-                    attempts=op.attempt,
-                    settle=result_json is not None,
-                ),
-                operation=OperationWrite(
-                    tenant=op.tenant,
-                    idempotency_key=op.idempotency_key,
-                    run_id=run_id,
-                    step_id=step_id,
-                    plan_version=op.plan_version,
-                    tool=op.tool,
-                    tool_version=op.tool_version,
-                    input_hash=op.input_hash,
-                    arguments_json=plain_json(op.arguments),
-                    status=op_status,
-                    result_json=result_json,
-                    error=error,
-                    failure_category=category,
-                    external_operation_id=external_id,
-                    attempt=op.attempt,
-                    expect_row_version=op.row_version,
-                ),
-                run=RunUpdate(RunStatus.QUEUED),
-                checkpoint=journal_state.draft(status=RunStatus.QUEUED, current_step=step_id),
-            ),
+        await actions.resolve_effect(
+            self.engine, run_id, step_id, outcome, result=result, by=by
         )
         return await self.get_run_async(run_id)
 
@@ -681,31 +462,8 @@ class App:
 
     async def resume_async(self, run_id: str) -> Run:
         """Make a paused run runnable again and execute it here."""
-        check_text(run_id, "run id")
-        store = await self.open()
-        record = await store.get_run(run_id)
-        if record is None:
-            raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
-        if record.status.is_final:
-            raise InvalidTransition(
-                f"run {run_id} is {record.status} (final); fork a new run to do more",
-                run_id=run_id,
-            )
-        waiting = record.waiting_for or {}
-        if record.status_reason == PauseReason.PERMISSION and waiting.get("step_id"):
-            # Resuming after re-authorisation: the refused call is attempted again.
-            await self.resolve_effect_async(
-                run_id, str(waiting["step_id"]), "not_executed", by="resume"
-            )
-        elif record.status is RunStatus.PAUSED:
-            await store.commit(
-                Expect(run_id, record.state_version),
-                Transition(
-                    events=[EventWrite("run_resumed", None, {"from": record.status_reason})],
-                    run=RunUpdate(RunStatus.QUEUED),
-                ),
-            )
-        return await self.execute_async(run_id)
+        await actions.resume(self.engine, run_id)
+        return await self.get_run_async(run_id)
 
     def resume(self, run_id: str) -> Run:
         """Resume a paused or stalled run in this process."""
@@ -714,18 +472,7 @@ class App:
     async def send_event_async(
         self, run_id: str, name: str, payload: Any = None, *, event_id: str | None = None
     ) -> Literal["delivered", "duplicate ignored"]:
-        check_text(run_id, "run id")
-        check_text(name, "event name")
-        if event_id is not None:
-            check_text(event_id, "event id")
-        store = await self.open()
-        payload_json = canonical_json(
-            payload, what=f"the payload of event {name!r}", limit=self.max_payload_bytes
-        )
-        delivered = await store.deliver_signal(
-            run_id, event_id or uuid.uuid4().hex, name, payload_json
-        )
-        return "delivered" if delivered else "duplicate ignored"
+        return await actions.send_event(self.engine, run_id, name, payload, event_id=event_id)
 
     def send_event(
         self, run_id: str, name: str, payload: Any = None, *, event_id: str | None = None
@@ -748,24 +495,9 @@ class App:
         by: str = "operator",
         comment: str | None = None,
     ) -> Approval:
-        check_text(run_id, "run id")
-        if approval_id is not None:
-            check_text(approval_id, "approval id")
-        check_text(by, "by")
-        if comment is not None:
-            check_text(comment, "comment", max_chars=MAX_TEXT_CHARS, lines=True)
-        store = await self.open()
-        approval, expired = await store.decide_approval(run_id, approval_id, decision, by, comment)
-        if expired:
-            self.metrics.approval_expired.inc()
-            raise ApprovalExpired(
-                f"approval {approval.approval_id} of run {run_id} expired at "
-                f"{approval.expires_at:.0f} (unix) before it was decided; the run will ask "
-                "for a new one",
-                run_id=run_id,
-                step_id=approval.step_id,
-            )
-        return approval
+        return await actions.decide(
+            self.engine, run_id, approval_id, decision, by=by, comment=comment
+        )
 
     def approve(
         self,
@@ -798,30 +530,7 @@ class App:
         )
 
     async def cancel_async(self, run_id: str, *, compensate: bool = False) -> Run:
-        check_text(run_id, "run id")
-        store = await self.open()
-        record = await store.get_run(run_id)
-        if record is None:
-            raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
-        if record.status.is_final:
-            raise InvalidTransition(f"run {run_id} is already {record.status}", run_id=run_id)
-        leased = record.lease_owner is not None and (record.lease_until or 0) > time.time()
-        if not leased and not compensate:
-            try:
-                await store.commit(
-                    Expect(run_id, record.state_version),
-                    Transition(
-                        events=[EventWrite("run_cancelled", None, {"compensated": []})],
-                        run=RunUpdate(RunStatus.CANCELLED, status_reason="cancelled"),
-                    ),
-                )
-                return await self.get_run_async(run_id)
-            except InvalidTransition:
-                pass  # a worker took it meanwhile: ask it to stop at its next boundary
-        await store.request_cancel(run_id, compensate=compensate)
-        if not leased:
-            # Compensations are effects: replay the run here up to its next boundary.
-            return await self.execute_async(run_id)
+        await actions.cancel(self.engine, run_id, compensate=compensate)
         return await self.get_run_async(run_id)
 
     def cancel(self, run_id: str, *, compensate: bool = False) -> Run:
@@ -840,68 +549,7 @@ class App:
         journal = await store.load_journal(run_id, checkpoints=1)
         if journal is None:
             raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
-        run = Run.from_record(journal.run)
-        ops = {o.step_id: o for o in journal.operations}
-        return {
-            "run_id": run.run_id,
-            "workflow": run.workflow,
-            "workflow_version": journal.run.workflow_version,
-            "tenant": run.tenant,
-            "status": run.status.value,
-            "status_reason": run.status_reason,
-            "result": run.result,
-            "error": run.error,
-            "waiting_for": run.waiting_for,
-            "created_at": run.created_at,
-            "updated_at": run.updated_at,
-            "steps": [
-                {
-                    "step_id": s.step_id,
-                    "kind": s.kind,
-                    "name": s.name,
-                    "status": s.status.value,
-                    "attempts": s.attempts,
-                    "output": None if s.output_json is None else _loads(s.output_json),
-                    "error": s.error,
-                }
-                for s in journal.steps
-            ],
-            "effects": [
-                {
-                    "step_id": o.step_id,
-                    "tool": o.tool,
-                    "status": o.status.value,
-                    "idempotency_key": o.idempotency_key,
-                    "input_hash": o.input_hash,
-                    "arguments": o.arguments,
-                    "external_operation_id": o.external_operation_id,
-                    "attempt": o.attempt,
-                    "failure_category": o.failure_category,
-                    "result": None if o.result_json is None else _loads(o.result_json),
-                    "error": o.error,
-                }
-                for o in sorted(ops.values(), key=lambda o: o.created_at)
-            ],
-            "approvals": [
-                {
-                    "approval_id": a.approval_id,
-                    "step_id": a.step_id,
-                    "kind": a.kind,
-                    "name": a.name,
-                    "status": a.status,
-                    "payload": a.payload,
-                    "input_hash": a.input_hash,
-                    "idempotency_key": a.idempotency_key,
-                    "plan_version": a.plan_version,
-                    "requested_at": a.requested_at,
-                    "expires_at": a.expires_at,
-                    "decided_by": a.decided_by,
-                    "comment": a.comment,
-                }
-                for a in journal.approvals
-            ],
-            "last_event_sequence": journal.run.last_sequence,
-        }
+        return views.describe(journal)
 
     def describe(self, run_id: str) -> dict[str, Any]:
         """A run with its steps and effects, as plain JSON."""
@@ -919,15 +567,7 @@ class App:
     async def checkpoints_async(self, run_id: str) -> list[dict[str, Any]]:
         check_text(run_id, "run id")
         store = await self.open()
-        stored = await store.checkpoints(run_id)
-        return [
-            {
-                **s.payload,
-                "checksum": s.checksum,
-                "valid": checksum_holds(s.payload, s.checksum, self.secret_key),
-            }
-            for s in stored
-        ]
+        return views.checkpoints(await store.checkpoints(run_id), self.secret_key)
 
     def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
         """The run's checkpoints, newest first, each with its checksum and whether it holds
@@ -968,7 +608,3 @@ def _secret_key(secret: str | bytes | None) -> bytes | None:
         )
     return key
 
-
-def new_run_id() -> str:
-    """Time-ordered, unique run ids: ``run_<ms hex><random hex>``."""
-    return f"run_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"

@@ -19,9 +19,9 @@ from typing import Any
 
 import click
 
-from durably.app import Run
 from durably.status import RunStatus
 from durably.store.base import Approval
+from durably.views import Run
 
 # C0 and C1 controls and DEL (terminal commands), bidirectional overrides and isolates and
 # line separators (they reorder or split what is shown), and lone surrogates (which no

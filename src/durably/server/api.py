@@ -17,13 +17,14 @@ from fastapi import APIRouter, Depends, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from durably.app import App, Run
+from durably.app import App
 from durably.errors import DurablyError, InvalidInput
 from durably.server.errors import DurablyRoute, ErrorOut, error_response
 from durably.server.settings import durably_app
 from durably.status import RunStatus
 from durably.store.base import Approval, Event
 from durably.values import MAX_JSON_DEPTH
+from durably.views import Run
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorOut, "description": "No run with this id."},

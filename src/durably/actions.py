@@ -1,0 +1,350 @@
+"""The operator's actions on runs, as engine functions: start, execute, resolve, resume,
+deliver an event, decide an approval, cancel.
+
+Each validates what it is given (ids, texts, JSON) before anything is written, and writes
+through the store's fenced commit; the App facade, the CLI and the console call these.
+"""
+
+from __future__ import annotations
+
+import inspect
+import secrets
+import time
+import uuid
+from typing import Any, Literal
+
+from durably import runtime
+from durably.definitions import WorkflowDef
+from durably.engine import Engine
+from durably.errors import (
+    ApprovalExpired,
+    ConfigurationError,
+    IdempotencyConflict,
+    InvalidInput,
+    InvalidTransition,
+    RunNotFound,
+)
+from durably.keys import KEY_SCHEME, canonical_json, plain_json, sha256_hex
+from durably.status import FailureCategory, OperationStatus, PauseReason, RunStatus, StepStatus
+from durably.store.base import (
+    Approval,
+    EventWrite,
+    Expect,
+    NewRun,
+    OperationWrite,
+    RunUpdate,
+    StepWrite,
+    Transition,
+)
+from durably.values import MAX_TEXT_CHARS, check_id, check_text
+from durably.worker import worker_id
+
+
+def new_run_id() -> str:
+    """Time-ordered, unique run ids: ``run_<ms hex><random hex>``."""
+    return f"run_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
+
+
+async def start(
+    engine: Engine,
+    wf: WorkflowDef,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    run_id: str | None,
+    tenant: str,
+) -> str:
+    """Record a new queued run of ``wf`` (idempotent on ``run_id``) and return its id."""
+    if run_id is not None:
+        check_id(run_id, "run id")
+    check_id(tenant, "tenant")
+    try:
+        inspect.signature(wf.fn).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise InvalidInput(
+            f"workflow {wf.name} cannot take this input ({exc}); its signature is "
+            f"{wf.name}{inspect.signature(wf.fn)}"
+        ) from None
+    store = await engine.open()
+    run_input = {"args": list(args), "kwargs": kwargs}
+    input_json = canonical_json(
+        run_input, what=f"the input of {wf.name}", limit=engine.max_payload_bytes
+    )
+    ih = sha256_hex(canonical_json({"workflow": wf.name, "input": run_input}))
+    new = NewRun(
+        run_id=run_id or new_run_id(),
+        tenant=tenant,
+        workflow=wf.name,
+        workflow_version=wf.version,
+        input=run_input,
+        input_json=input_json,
+        input_hash=ih,
+        key_scheme=KEY_SCHEME,
+    )
+    record, created = await store.create_run(new)
+    if not created and (record.input_hash != ih or record.tenant != tenant):
+        raise IdempotencyConflict(
+            f"run {new.run_id} already exists with another workflow, input or tenant; "
+            "use a new run_id for a new run",
+            run_id=new.run_id,
+        )
+    return record.run_id
+
+
+async def execute(engine: Engine, run_id: str, *, owner: str | None = None) -> None:
+    """Execute a runnable run in this process, if no live worker holds it."""
+    check_text(run_id, "run id")
+    store = await engine.open()
+    record = await store.get_run(run_id)
+    if record is None:
+        raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+    wf = engine.registry.workflow_def(record.workflow)
+    if record.workflow_version != wf.version:
+        raise ConfigurationError(
+            f"run {run_id} is pinned to {wf.name} version {record.workflow_version!r}, but "
+            f"this code has version {wf.version!r}; run it with a worker that has that "
+            "version (runs never switch code mid-flight)",
+            run_id=run_id,
+        )
+    claim = await store.claim_run(
+        run_id, owner or worker_id("inproc"), engine.lease_ttl.total_seconds()
+    )
+    if claim is not None:
+        await runtime.drive(engine, claim)
+
+
+async def resolve_effect(
+    engine: Engine,
+    run_id: str,
+    step_id: str,
+    outcome: Literal["succeeded", "not_executed", "failed"],
+    *,
+    result: Any = None,
+    by: str = "operator",
+) -> None:
+    """Settle an effect whose outcome is unknown, after checking the external system.
+
+    ``succeeded`` records ``result`` as what the tool returned; ``not_executed`` lets the
+    run execute it again with the same idempotency key; ``failed`` fails the call (the
+    workflow sees :class:`StepFailed`). The run becomes runnable (``queued``).
+    """
+    check_text(run_id, "run id")
+    check_text(step_id, "step id")
+    check_text(by, "by")
+    store = await engine.open()
+    journal = await store.load_journal(run_id, checkpoints=runtime.CHECKPOINTS_READ)
+    if journal is None:
+        raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+    run = journal.run
+    if run.status is not RunStatus.PAUSED:
+        raise InvalidTransition(
+            f"run {run_id} is {run.status}; only a paused run's effects are resolved by hand",
+            run_id=run_id,
+        )
+    ops = [o for o in journal.operations if o.step_id == step_id]
+    settleable = (
+        OperationStatus.UNKNOWN,
+        OperationStatus.RECONCILING,
+        OperationStatus.EXECUTING,
+        OperationStatus.FAILED,
+    )
+    refused = bool(ops) and runtime.refused_result(ops[0]) and outcome == "succeeded"
+    if not ops or (ops[0].status not in settleable and not refused):
+        found = ops[0].status.value if ops else "no effect"
+        raise InvalidTransition(
+            f"step {step_id} of run {run_id} has {found}; only an unknown (or stuck) effect "
+            "can be resolved",
+            run_id=run_id,
+            step_id=step_id,
+        )
+    op = ops[0]
+    step = next(s for s in journal.steps if s.step_id == step_id)
+    # Verify first: a new checkpoint over an altered journal would launder the damage.
+    journal_state, corrupted = await runtime.verified(store, journal, engine.secret_key)
+    result_json = None
+    external_id: str | None = None
+    error: dict[str, Any] | None = None
+    category = None
+    if outcome == "succeeded":
+        result_json = canonical_json(
+            result, what="the resolved result", limit=engine.max_payload_bytes
+        )
+        journal_state.settle(step_id, result_json)
+        journal_state.effect_completed(op.idempotency_key)
+        op_status = OperationStatus.SUCCEEDED
+        tool = engine.registry.tool_def(op.tool, missing_ok=True)
+        if tool is not None and tool.external_id is not None:
+            try:
+                external_id = str(tool.external_id(result))
+            except Exception as exc:
+                raise InvalidTransition(
+                    f"the result given for {step_id} is not shaped like what {op.tool} "
+                    f"returns (its external_id function failed: {exc!r}); pass the "
+                    "service's record as the tool would have returned it",
+                    run_id=run_id,
+                    step_id=step_id,
+                ) from exc
+    elif outcome == "not_executed":
+        op_status = OperationStatus.INTENT_RECORDED
+    elif outcome == "failed":
+        op_status = OperationStatus.FAILED
+        category = FailureCategory.BUSINESS_REJECTED.value
+        error = {"type": "ResolvedAsFailed", "message": f"resolved as failed by {by}"}
+    else:
+        raise ConfigurationError(f"unknown outcome {outcome!r}")
+    await store.commit(
+        Expect(run_id, run.state_version),
+        Transition(
+            events=[
+                *([corrupted] if corrupted else []),
+                EventWrite(
+                    "effect_resolved",
+                    step_id,
+                    {
+                        "outcome": outcome,
+                        "by": by,
+                        "idempotency_key": op.idempotency_key,
+                        "output_hash": sha256_hex(result_json) if result_json else None,
+                    },
+                ),
+            ],
+            step=StepWrite(
+                step_id,
+                step.position,
+                "tool",
+                step.name,
+                StepStatus(op_status.value),
+                step.input_hash,
+                output_json=result_json,
+                error=error,
+                idempotency_key=op.idempotency_key,
+                attempts=op.attempt,
+                settle=result_json is not None,
+            ),
+            operation=OperationWrite(
+                tenant=op.tenant,
+                idempotency_key=op.idempotency_key,
+                run_id=run_id,
+                step_id=step_id,
+                plan_version=op.plan_version,
+                tool=op.tool,
+                tool_version=op.tool_version,
+                input_hash=op.input_hash,
+                arguments_json=plain_json(op.arguments),
+                status=op_status,
+                result_json=result_json,
+                error=error,
+                failure_category=category,
+                external_operation_id=external_id,
+                attempt=op.attempt,
+                expect_row_version=op.row_version,
+            ),
+            run=RunUpdate(RunStatus.QUEUED),
+            checkpoint=journal_state.draft(status=RunStatus.QUEUED, current_step=step_id),
+        ),
+    )
+
+
+async def resume(engine: Engine, run_id: str) -> None:
+    """Make a paused run runnable again and execute it here."""
+    check_text(run_id, "run id")
+    store = await engine.open()
+    record = await store.get_run(run_id)
+    if record is None:
+        raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+    if record.status.is_final:
+        raise InvalidTransition(
+            f"run {run_id} is {record.status} (final); fork a new run to do more",
+            run_id=run_id,
+        )
+    waiting = record.waiting_for or {}
+    if record.status_reason == PauseReason.PERMISSION and waiting.get("step_id"):
+        # Resuming after re-authorisation: the refused call is attempted again.
+        await resolve_effect(engine,
+            run_id, str(waiting["step_id"]), "not_executed", by="resume"
+        )
+    elif record.status is RunStatus.PAUSED:
+        await store.commit(
+            Expect(run_id, record.state_version),
+            Transition(
+                events=[EventWrite("run_resumed", None, {"from": record.status_reason})],
+                run=RunUpdate(RunStatus.QUEUED),
+            ),
+        )
+    await execute(engine, run_id)
+
+
+async def send_event(
+    engine: Engine, run_id: str, name: str, payload: Any = None, *, event_id: str | None = None
+) -> Literal["delivered", "duplicate ignored"]:
+    """Deliver an event to a run, once per ``event_id``."""
+    check_text(run_id, "run id")
+    check_text(name, "event name")
+    if event_id is not None:
+        check_text(event_id, "event id")
+    store = await engine.open()
+    payload_json = canonical_json(
+        payload, what=f"the payload of event {name!r}", limit=engine.max_payload_bytes
+    )
+    delivered = await store.deliver_signal(
+        run_id, event_id or uuid.uuid4().hex, name, payload_json
+    )
+    return "delivered" if delivered else "duplicate ignored"
+
+
+async def decide(
+    engine: Engine,
+    run_id: str,
+    approval_id: str | None,
+    decision: Literal["approved", "rejected"],
+    *,
+    by: str = "operator",
+    comment: str | None = None,
+) -> Approval:
+    """Record one decision on the run's pending approval (``approval_id`` may be omitted)."""
+    check_text(run_id, "run id")
+    if approval_id is not None:
+        check_text(approval_id, "approval id")
+    check_text(by, "by")
+    if comment is not None:
+        check_text(comment, "comment", max_chars=MAX_TEXT_CHARS, lines=True)
+    store = await engine.open()
+    approval, expired = await store.decide_approval(run_id, approval_id, decision, by, comment)
+    if expired:
+        engine.metrics.approval_expired.inc()
+        raise ApprovalExpired(
+            f"approval {approval.approval_id} of run {run_id} expired at "
+            f"{approval.expires_at:.0f} (unix) before it was decided; the run will ask "
+            "for a new one",
+            run_id=run_id,
+            step_id=approval.step_id,
+        )
+    return approval
+
+
+async def cancel(engine: Engine, run_id: str, *, compensate: bool = False) -> None:
+    """Cancel the run at its next call boundary (after its compensations, if asked)."""
+    check_text(run_id, "run id")
+    store = await engine.open()
+    record = await store.get_run(run_id)
+    if record is None:
+        raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
+    if record.status.is_final:
+        raise InvalidTransition(f"run {run_id} is already {record.status}", run_id=run_id)
+    leased = record.lease_owner is not None and (record.lease_until or 0) > time.time()
+    if not leased and not compensate:
+        try:
+            await store.commit(
+                Expect(run_id, record.state_version),
+                Transition(
+                    events=[EventWrite("run_cancelled", None, {"compensated": []})],
+                    run=RunUpdate(RunStatus.CANCELLED, status_reason="cancelled"),
+                ),
+            )
+            return
+        except InvalidTransition:
+            pass  # a worker took it meanwhile: ask it to stop at its next boundary
+    await store.request_cancel(run_id, compensate=compensate)
+    if not leased:
+        # Compensations are effects: replay the run here up to its next boundary.
+        await execute(engine, run_id)
