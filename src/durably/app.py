@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
-from durably import actions, context, effects, runtime, views
+from durably import actions, context, runtime, views
 from durably.definitions import (
     Budget,
     Classifier,
@@ -19,6 +19,7 @@ from durably.definitions import (
     ToolDef,
     WorkflowDef,
 )
+from durably.effect import Effect
 from durably.engine import Engine
 from durably.errors import (
     ConfigurationError,
@@ -74,8 +75,8 @@ class Durable(Generic[P, R]):
         # The step id is allocated now, not when the coroutine first runs, so calls
         # gathered in parallel get ids in the order the workflow created them.
         if isinstance(self.definition, ToolDef):
-            effect = effects.Effect(ctx, self.definition, args, kwargs, self._step_id)
-            return effect.settle()
+            call = Effect(ctx, self.definition, args, kwargs, self._step_id)
+            return call.settle()
         return runtime.call_step(ctx, self.definition, args, kwargs, self._step_id)
 
 

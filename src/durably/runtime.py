@@ -14,9 +14,10 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from durably import context, effects, faults
+from durably import context, faults
 from durably.checkpoint import JournalState, SettledResult, verify_journal
 from durably.definitions import StepDef, bind_arguments, invoke
+from durably.effect import compensate
 from durably.errors import (
     CheckpointCorrupted,
     IdempotencyConflict,
@@ -399,7 +400,7 @@ async def _cancel(ctx: RunContext) -> None:
     if ctx.cancel_requested == 2:
         ctx.cancelling = True
         try:
-            compensated = await effects.compensate(ctx, ())
+            compensated = await compensate(ctx, ())
         except Exception as exc:
             if ctx.stopped:
                 return

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from durably import context, effects
+from durably import context, effect
 
 
 async def charge(*, tokens: int = 0, cost: float = 0.0) -> None:
@@ -32,4 +32,4 @@ async def compensate(*step_ids: str) -> list[str]:
             await durably.compensate("create_order#1")
             raise
     """
-    return await effects.compensate(context.active(), step_ids)
+    return await effect.compensate(context.active(), step_ids)

@@ -23,7 +23,7 @@ import pytest
 import durably
 from durably import FailureCategory
 from durably.definitions import ToolDef
-from durably.effects import classify
+from durably.effect import classify
 from durably.examples.shop import ShopHTTPError
 from tests.crash import crashapp
 from tests.crash.conftest import PATH, TOOL, WORKFLOW, Harness, Shop, coupon_result

@@ -1,0 +1,88 @@
+"""Compensations (sagas): the registered undo of each succeeded effect, once each."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, replace
+
+from durably.effect.protocol import Effect
+from durably.execution import RunContext
+from durably.keys import (
+    plain_json,
+)
+from durably.reconcile import Operation
+from durably.status import OperationStatus
+from durably.store.base import (
+    EventWrite,
+    OperationWrite,
+    Transition,
+)
+
+log = logging.getLogger("durably")
+
+
+async def compensate(ctx: RunContext, step_ids: tuple[str, ...]) -> list[str]:
+    """Run the registered compensations of succeeded effects, newest first; once each."""
+    # Only effects this execution has reached, so a replay compensates exactly what the
+    # original execution did at this point; newest first.
+    order = {step_id: i for i, step_id in enumerate(ctx.reached)}
+    done_states = (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED)
+    candidates = sorted(
+        (o for o in ctx.operations.values() if o.status in done_states and o.step_id in order),
+        key=lambda o: order[o.step_id],
+        reverse=True,
+    )
+    done = []
+    for op in candidates:
+        if step_ids and op.step_id not in step_ids:
+            continue
+        tool = ctx.engine.registry.tool_def(op.tool, missing_ok=True)
+        if tool is None or tool.compensate is None:
+            continue
+        undo = ctx.engine.registry.compensation_def(tool)
+        operation = Operation(
+            run_id=op.run_id,
+            step_id=op.step_id,
+            tool=op.tool,
+            arguments=op.arguments,
+            idempotency_key=op.idempotency_key,
+            external_operation_id=op.external_operation_id,
+            attempt=op.attempt,
+            result=json.loads(op.result_json or "null"),
+        )
+        await Effect(ctx, undo, (asdict(operation),), {}, f"compensate:{op.step_id}").settle()
+        current = ctx.operations[op.idempotency_key]
+        if current.status is OperationStatus.SUCCEEDED:
+            await ctx.commit(
+                Transition(
+                    events=[
+                        EventWrite(
+                            "effect_compensated",
+                            op.step_id,
+                            {"tool": op.tool, "idempotency_key": op.idempotency_key},
+                        )
+                    ],
+                    operation=OperationWrite(
+                        tenant=current.tenant,
+                        idempotency_key=current.idempotency_key,
+                        run_id=current.run_id,
+                        step_id=current.step_id,
+                        plan_version=current.plan_version,
+                        tool=current.tool,
+                        tool_version=current.tool_version,
+                        input_hash=current.input_hash,
+                        arguments_json=plain_json(current.arguments),
+                        status=OperationStatus.COMPENSATED,
+                        result_json=current.result_json,
+                        external_operation_id=current.external_operation_id,
+                        attempt=current.attempt,
+                        expect_row_version=current.row_version,
+                    ),
+                )
+            )
+            ctx.operations[op.idempotency_key] = replace(
+                current, status=OperationStatus.COMPENSATED, row_version=current.row_version + 1
+            )
+        done.append(op.step_id)
+    return done

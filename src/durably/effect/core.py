@@ -1,0 +1,279 @@
+"""The core of one effect: its identity, its ledger row and the transitions that write it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from durably.definitions import ToolDef, bind_arguments
+from durably.errors import (
+    NonDeterminismError,
+    PayloadTooLarge,
+    StepFailed,
+)
+from durably.execution import RunContext
+from durably.keys import (
+    idempotency_key,
+    input_hash,
+    plain_json,
+)
+from durably.reconcile import Operation
+from durably.redaction import redact, scrub
+from durably.status import FailureCategory, OperationStatus, RunStatus, StepStatus
+from durably.store.base import (
+    ApprovalUse,
+    EventWrite,
+    OperationRecord,
+    OperationWrite,
+    RunUpdate,
+    StepWrite,
+    Transition,
+)
+
+log = logging.getLogger("durably")
+
+
+class EffectCore:
+    """One tool call inside a run: its identity (step id, input hash, idempotency key), its
+    ledger row, and the transitions that write it. The phases of the protocol are mixins
+    over this core (recording, approval, reconciliation); ``Effect`` assembles them."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        tool: ToolDef,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        explicit_step_id: str | None,
+    ) -> None:
+        self.ctx = ctx
+        self.tool = tool
+        self.args = args
+        self.kwargs = kwargs
+        self.step_id, self.position = ctx.allocate(tool.name, explicit_step_id)
+        ctx.count("tool_calls")
+        self.arguments = bind_arguments(tool.signature, tool.name, args, kwargs)
+        secret = ctx.engine.secret_key if tool.redact else None
+        self.input_hash = input_hash(tool.name, tool.version, self.arguments, key=secret)
+        run = ctx.run
+        self.key = idempotency_key(
+            run.tenant,
+            run.run_id,
+            ctx.plan_version,
+            self.step_id,
+            tool.operation_group or tool.name,
+            scheme=run.key_scheme,
+        )
+        ctx.replayed(self.step_id, self.position, "tool", tool.name, self.input_hash)
+        recorded = ctx.steps.get(self.step_id)
+        if secret is not None and recorded is not None and recorded.input_hash != self.input_hash:
+            plain = input_hash(tool.name, tool.version, self.arguments)
+            if recorded.input_hash == plain:
+                # Recorded before redacted input hashes were keyed: the same call.
+                self.input_hash = plain
+        if recorded is not None and recorded.idempotency_key not in (None, self.key):
+            # Same call, another key: the plan version (replan) differs from the original
+            # execution at this point. Executing under the new key would repeat the effect.
+            raise ctx.poison(
+                NonDeterminismError(
+                    f"{tool.name} at {self.step_id} was recorded under another plan version "
+                    "than this replay reaches it with (a replan() raced this call?); the run "
+                    "pauses rather than execute it again",
+                    run_id=run.run_id,
+                    step_id=self.step_id,
+                )
+            )
+        self.op: OperationRecord | None = ctx.operations.get(self.key)
+        # input_hash() already proved the arguments are plain JSON.
+        self.stored_arguments = redact(tool, secret, self.arguments)
+        self.arguments_json = plain_json(self.stored_arguments)
+        if len(self.arguments_json) > ctx.engine.max_payload_bytes:
+            raise PayloadTooLarge(
+                f"the arguments of {tool.name} are {len(self.arguments_json)} bytes of JSON, "
+                f"over the limit of {ctx.engine.max_payload_bytes}; pass a reference instead",
+                run_id=ctx.run.run_id,
+                step_id=self.step_id,
+            )
+        self.reconciling = False
+
+    def _write(self, status: OperationStatus, **changes: Any) -> OperationWrite:
+        op = self.op
+        fields: dict[str, Any] = dict(
+            tenant=self.ctx.run.tenant,
+            idempotency_key=self.key,
+            run_id=self.ctx.run.run_id,
+            step_id=self.step_id,
+            plan_version=self.ctx.plan_version,
+            tool=self.tool.name,
+            tool_version=self.tool.version,
+            input_hash=self.input_hash,
+            arguments_json=self.arguments_json,
+            status=status,
+            result_json=None,
+            error=None,
+            failure_category=None if op is None else op.failure_category,
+            attempt=0 if op is None else op.attempt,
+            expect_row_version=None if op is None else op.row_version,
+        )
+        fields.update(changes)
+        return OperationWrite(**fields)
+
+    def _step(self, status: StepStatus, **changes: Any) -> StepWrite:
+        changes.setdefault("attempts", 0 if self.op is None else self.op.attempt)
+        return StepWrite(
+            self.step_id,
+            self.position,
+            "tool",
+            self.tool.name,
+            status,
+            self.input_hash,
+            idempotency_key=self.key,
+            **changes,
+        )
+
+    async def _apply(
+        self,
+        write: OperationWrite,
+        step: StepWrite,
+        events: list[EventWrite],
+        *,
+        run: RunUpdate | None = None,
+        checkpoint: bool = True,
+        pending: bool = False,
+        release: bool = False,
+        settle: str | None = None,
+        use_approval: ApprovalUse | None = None,
+    ) -> None:
+        """Commit one ledger transition; ``settle``: the result JSON to add to the journal."""
+        ctx = self.ctx
+        pending_action = (
+            {"tool": self.tool.name, "step_id": self.step_id, "idempotency_key": self.key}
+            if pending
+            else None
+        )
+
+        def transition() -> Transition:
+            draft = (
+                ctx.journal.draft(
+                    status=(run.status if run else RunStatus.RUNNING).value,
+                    current_step=self.step_id,
+                    pending_action=pending_action,
+                )
+                if checkpoint
+                else None
+            )
+            return Transition(
+                events=events,
+                step=step,
+                operation=write,
+                run=run,
+                checkpoint=draft,
+                release=release,
+                use_approval=use_approval,
+            )
+
+        # Outcomes of a call (anything after EXECUTING) are known only here: outlast outages.
+        outcome = self.op is not None and self.op.status is OperationStatus.EXECUTING
+        committed = await ctx.commit(
+            transition,
+            settle=None if settle is None else (self.step_id, settle),
+            effect=None if settle is None else self.key,
+            durable=outcome,
+        )
+        now = time.time()
+        previous = self.op
+        held = write.hold_lease
+        self.op = OperationRecord(
+            tenant=write.tenant,
+            idempotency_key=write.idempotency_key,
+            run_id=write.run_id,
+            step_id=write.step_id,
+            plan_version=write.plan_version,
+            tool=write.tool,
+            tool_version=write.tool_version,
+            input_hash=write.input_hash,
+            arguments=self.stored_arguments,
+            status=write.status,
+            result_json=write.result_json,
+            error=write.error,
+            failure_category=write.failure_category,
+            external_operation_id=write.external_operation_id
+            or (previous.external_operation_id if previous else None),
+            attempt=write.attempt,
+            lease_owner=ctx.lease.owner if held else None,
+            lease_until=committed.lease_until if held else None,
+            lease_epoch=ctx.lease.epoch if held else None,
+            row_version=committed.operation_row_version or 0,
+            created_at=previous.created_at if previous else now,
+            updated_at=now,
+        )
+        ctx.operations[self.key] = self.op
+
+    def _event(self, type_: str, **payload: Any) -> EventWrite:
+        return EventWrite(
+            type_, self.step_id, {"tool": self.tool.name, "idempotency_key": self.key, **payload}
+        )
+
+    def _operation(self, result: Any = None) -> Operation:
+        op = self.op
+        assert op is not None
+        return Operation(
+            run_id=op.run_id,
+            step_id=op.step_id,
+            tool=op.tool,
+            arguments=self.arguments,
+            idempotency_key=op.idempotency_key,
+            external_operation_id=op.external_operation_id,
+            attempt=op.attempt,
+            result=result,
+        )
+
+    def _scrub(self, text: str) -> str:
+        """``text`` (a message a tool or a reconciler wrote) without the redacted values."""
+        return scrub(self.tool, self.arguments, text)
+
+    def _back_to_running(self) -> RunUpdate | None:
+        if not self.reconciling:
+            return None
+        self.reconciling = False
+        return RunUpdate(RunStatus.RUNNING)
+
+    async def _refresh(self) -> None:
+        journal = await self.ctx.store.load_journal(self.ctx.run.run_id, checkpoints=0)
+        if journal is not None:
+            for op in journal.operations:
+                if op.idempotency_key == self.key:
+                    self.op = op
+
+    def _failed(self, op: OperationRecord) -> StepFailed:
+        error = op.error or {}
+        category = FailureCategory(op.failure_category) if op.failure_category else None
+        return StepFailed(
+            f"tool {self.tool.name} at {self.step_id} failed "
+            f"({op.failure_category}): {error.get('type')}: {error.get('message')}",
+            run_id=self.ctx.run.run_id,
+            step_id=self.step_id,
+            idempotency_key=self.key,
+            category=category,
+            error_type=str(error.get("type", "")),
+            error_message=str(error.get("message", "")),
+        )
+
+    # -- implemented by the phase mixins; declared here so that each phase can use the others
+
+    async def _claim(
+        self, event: str, *, use_approval: ApprovalUse | None = None, **payload: Any
+    ) -> None:
+        raise NotImplementedError
+
+    async def _record_success(
+        self, result: Any, *, event: str = "effect_succeeded", **payload: Any
+    ) -> None:
+        raise NotImplementedError
+
+    async def _record_failure(self, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    async def _pause(self, detail: str = "") -> None:
+        raise NotImplementedError

@@ -1,0 +1,188 @@
+"""The tool operation protocol (DESIGN.md §4): prepare → claim → execute → record → reconcile.
+
+Commits per effect, on the happy path:
+
+* a tool that can be reconciled or is idempotent: **two** — intent and claim together
+  (before the call), then the outcome. A crash right after the first commit leaves
+  ``executing``, which recovery settles by asking the service or re-sending the same key.
+* a tool with neither: **three** — intent, claim, outcome. Its claim is separate so that a
+  crash before the call leaves ``intent_recorded``, which is safe to execute, instead of an
+  ``unknown`` that would need a person although the call never left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from durably import context, faults
+from durably.definitions import invoke
+from durably.effect.approval import Approving
+from durably.effect.reconciliation import Reconciling
+from durably.effect.recording import Recording
+from durably.errors import (
+    ApprovalExpired,
+    IdempotencyConflict,
+    ToolError,
+)
+from durably.execution import Cancel, Suspend
+from durably.ledger import Action, OperationView, decide
+from durably.status import FailureCategory
+from durably.store.base import (
+    OperationRecord,
+)
+
+log = logging.getLogger("durably")
+
+
+class Effect(Reconciling, Approving, Recording):
+    """One tool call inside a run, driven through the ledger until it settles."""
+
+    async def settle(self) -> Any:
+        metrics = self.ctx.engine.metrics
+        if self.op is None:
+            # Only a brand-new call stops for a cancel, a shutdown or the budget: an effect
+            # already under way is settled first (reconciled if need be), never abandoned.
+            await self.ctx.boundary()
+            await self.ctx.check_budget()
+        while True:
+            op = self.op
+            action = decide(
+                None if op is None else _view(op),
+                input_hash=self.input_hash,
+                owner=self.ctx.lease.owner,
+                epoch=self.ctx.lease.epoch,
+                now=time.time(),
+                max_attempts=self.tool.retry.max_attempts,
+                can_reconcile=self.tool.can_reconcile,
+            )
+            if action is Action.PREPARE:
+                use = await self._approval()
+                try:
+                    await self._prepare(use)
+                except ApprovalExpired:
+                    await self._reapprove(use)
+            elif action is Action.CONFLICT:
+                metrics.idempotency_conflict.labels(tool=self.tool.name).inc()
+                raise self.ctx.poison(
+                    IdempotencyConflict(
+                        f"tool {self.tool.name} at {self.step_id} was recorded with other "
+                        "arguments under the same idempotency key; the recorded result is not "
+                        "reused. Keep the call's arguments deterministic, or replan "
+                        "(durably.replan()) to make it a new business operation",
+                        run_id=self.ctx.run.run_id,
+                        step_id=self.step_id,
+                        idempotency_key=self.key,
+                    )
+                )
+            elif action is Action.RETURN:
+                metrics.idempotency_hit.labels(tool=self.tool.name).inc()
+                assert op is not None
+                if op.result_json is None and op.error:
+                    await self._refuse_result(op.error, record=False)
+                return json.loads(op.result_json or "null")
+            elif action is Action.CLAIM:
+                assert op is not None
+                use = await self._approval() if op.attempt == 0 else None
+                try:
+                    await self._claim("effect_executing", use_approval=use)
+                except ApprovalExpired:
+                    await self._reapprove(use)
+            elif action is Action.EXECUTE:
+                await self._execute()
+            elif action is Action.WAIT:
+                assert op is not None
+                assert op.lease_until is not None
+                await asyncio.sleep(max(op.lease_until - time.time(), 0.05))
+                await self._refresh()
+            elif action is Action.RECONCILE:
+                await self._reconcile()
+            elif action is Action.RETRY:
+                assert op is not None
+                delay = self.tool.retry.delay_s(op.attempt)
+                delay = max(delay, float((op.error or {}).get("retry_after_s", 0)))
+                await asyncio.sleep(delay)
+                await self._claim("effect_retrying")
+            elif action is Action.RAISE:
+                assert op is not None
+                raise self._failed(op)
+            elif self.ctx.cancel_requested:
+                # Only a person could settle this effect, and the run is being cancelled:
+                # it stops here, leaving the effect unknown (counted in the unknown gauges).
+                raise Cancel
+            else:
+                await self._pause()
+
+    async def _execute(self) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.ctx.inflight[id(self)] = done
+        try:
+            if self.ctx.stopped:
+                # A parallel branch paused or released the run since this call was claimed:
+                # nothing is sent; whoever continues the run settles the claim.
+                raise Suspend
+            await self._call_and_record()
+        finally:
+            del self.ctx.inflight[id(self)]
+            done.set_result(None)
+
+    async def _call_and_record(self) -> None:
+        refusal = await self._authorize()
+        if refusal is not None:
+            await self._record_failure(refusal)
+            return
+        # Past the lease another worker may be reconciling this very claim: never send.
+        self.ctx.hold_lease()
+        token = context._key.set(self.key)
+        try:
+            call = invoke(self.tool.fn, *self.args, **self.kwargs)
+            if self.tool.timeout is not None:
+                result = await asyncio.wait_for(call, self.tool.timeout.total_seconds())
+            else:
+                result = await call
+        except Exception as exc:
+            faults.crash_point("effect.after_call")
+            if self.ctx.stopped:
+                # The tool stopped at durably.check_lease() (or the run stopped meanwhile):
+                # nothing can be recorded from here; the run's next holder settles the call.
+                raise Suspend from exc
+            await self._record_failure(exc)
+            return
+        finally:
+            context._key.reset(token)
+        returned_at = time.monotonic()
+        faults.crash_point("effect.after_call")
+        await self._record_success(result)
+        self.ctx.engine.metrics.checkpoint_lag.observe(time.monotonic() - returned_at)
+        faults.crash_point("effect.after_record")
+
+    async def _authorize(self) -> ToolError | None:
+        """Ask ``authorize=`` right before the call: a refusal is a PERMISSION failure."""
+        if self.tool.authorize is None:
+            return None
+        try:
+            allowed = await invoke(self.tool.authorize, self._operation())
+        except Exception as exc:
+            return ToolError(f"authorize raised {exc!r}", category=FailureCategory.PERMISSION)
+        if not allowed:
+            return ToolError(
+                f"{self.tool.name} at {self.step_id} is not authorised now",
+                category=FailureCategory.PERMISSION,
+            )
+        return None
+
+
+def _view(op: OperationRecord) -> OperationView:
+    return OperationView(
+        status=op.status,
+        input_hash=op.input_hash,
+        attempt=op.attempt,
+        failure_category=FailureCategory(op.failure_category) if op.failure_category else None,
+        confirmed_not_executed=bool((op.error or {}).get("confirmed_not_executed")),
+        lease_owner=op.lease_owner,
+        lease_epoch=op.lease_epoch,
+        lease_until=op.lease_until,
+    )

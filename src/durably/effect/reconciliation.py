@@ -1,0 +1,129 @@
+"""Reconciliation of an effect whose outcome is unknown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from durably import context
+from durably.definitions import invoke
+from durably.effect.core import EffectCore
+from durably.reconcile import Reconciliation
+from durably.status import FailureCategory, OperationStatus, RunStatus, StepStatus
+from durably.store.base import (
+    RunUpdate,
+)
+
+log = logging.getLogger("durably")
+
+
+RECONCILE_POLLS = 5
+
+
+class Reconciling(EffectCore):
+    """An unknown outcome is asked about (``reconcile=``) or re-sent with the same key
+    (``idempotent=True``), never re-executed blindly."""
+
+    async def _reconcile(self) -> None:
+        op = self.op
+        assert op is not None
+        metrics = self.ctx.engine.metrics
+        if op.status is not OperationStatus.RECONCILING:
+            await self._apply(
+                self._write(OperationStatus.RECONCILING, error=op.error),
+                self._step(StepStatus.RECONCILING),
+                [self._event("effect_reconciling", previous=op.status.value)],
+                run=RunUpdate(RunStatus.RECONCILING),
+                checkpoint=False,
+            )
+            self.reconciling = True
+        if self.tool.reconcile is None:
+            # Idempotent tool: the service deduplicates by our key, so re-sending is safe.
+            if op.attempt < self.tool.retry.max_attempts:
+                await asyncio.sleep(self.tool.retry.delay_s(op.attempt))
+                await self._claim("effect_resent")
+            else:
+                await self._pause()
+            return
+        answer = await self._ask()
+        metrics.reconciliation.labels(result=answer.answer).inc()
+        if answer.answer == "succeeded":
+            if answer.duplicates:
+                metrics.duplicate_side_effect.labels(tool=self.tool.name).inc(answer.duplicates)
+            await self._record_success(
+                answer.result,
+                event="effect_reconciled",
+                answer="succeeded",
+                duplicates=answer.duplicates,
+            )
+        elif answer.answer == "not_executed":
+            early = await self._before_not_executed_is_trusted()
+            if early > 0:
+                log.info(
+                    "run %s: %s at %s reported not executed; the previous holder's send may "
+                    "still be on its way, asking again in %.1fs",
+                    self.ctx.run.run_id,
+                    self.tool.name,
+                    self.step_id,
+                    early,
+                )
+                await asyncio.sleep(early)
+                return
+            if op.attempt >= self.tool.retry.max_attempts:
+                await self._pause(
+                    f"{self.tool.name} at {self.step_id} was executed {op.attempt} times and "
+                    "each time the service reported it never happened; check the service, then "
+                    "resolve the step"
+                )
+            await asyncio.sleep(self.tool.retry.delay_s(op.attempt))
+            await self._claim("effect_reconciled", answer="not_executed")
+        elif answer.answer == "failed":
+            category = answer.category or FailureCategory.PERMANENT_INPUT
+            error = {
+                "type": "Reconciled",
+                "message": self._scrub(answer.detail),
+                "confirmed_not_executed": True,
+            }
+            await self._apply(
+                self._write(OperationStatus.FAILED, error=error, failure_category=category.value),
+                self._step(StepStatus.FAILED, error=error),
+                [self._event("effect_reconciled", answer="failed", category=category.value)],
+                run=self._back_to_running(),
+            )
+        else:
+            await self._pause(answer.detail)
+
+    async def _before_not_executed_is_trusted(self) -> float:
+        """Seconds until a "not executed" answer can be trusted (0 if it can now).
+
+        A previous holder of the run checked its lease right before sending, but a request
+        that left just before its lease ran out can reach the service later. Its deadline
+        plus ``App(reconcile_grace=...)`` bounds that: only then does silence mean never.
+        """
+        previous = self.ctx.previous_lease_until
+        if previous is None:
+            return 0.0
+        grace = self.ctx.engine.reconcile_grace.total_seconds()
+        return previous + grace - await self.ctx.store.now()
+
+    async def _ask(self) -> Reconciliation:
+        assert self.op is not None
+        assert self.tool.reconcile is not None
+        operation = self._operation()
+        token = context._key.set(self.key)
+        try:
+            for poll in range(RECONCILE_POLLS):
+                try:
+                    answer = await invoke(self.tool.reconcile, operation)
+                except Exception as exc:
+                    return Reconciliation.unresolved(f"reconcile raised {exc!r}")
+                if not isinstance(answer, Reconciliation):
+                    return Reconciliation.unresolved(
+                        f"reconcile returned {answer!r}, not a durably.Reconciliation"
+                    )
+                if answer.answer != "running":
+                    return answer
+                await asyncio.sleep(self.tool.retry.delay_s(poll + 1))
+            return Reconciliation.unresolved("still running after repeated reconciliation")
+        finally:
+            context._key.reset(token)
