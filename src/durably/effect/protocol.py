@@ -1,4 +1,4 @@
-"""The tool operation protocol (DESIGN.md §4): prepare → claim → execute → record → reconcile.
+"""Prepare → claim → execute → record → reconcile (docs/architecture.md#the-effect-protocol).
 
 Commits per effect, on the happy path:
 
