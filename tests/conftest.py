@@ -1,8 +1,16 @@
-"""Fixtures shared by the suite: one parametrised database URL per store backend."""
+"""Fixtures shared by the suite: one parametrised database URL per store backend.
+
+PostgreSQL is ``$DURABLY_TEST_POSTGRES_URL`` when set; otherwise a throwaway cluster of the
+session's own (:mod:`tests.pg`), started when the first test needs it and destroyed when the
+session ends. Its URL is known from the start (its port is reserved at import), so
+``POSTGRES_URL`` is a plain constant. Its tests fail when it cannot be reached, never skip.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -11,13 +19,75 @@ from pathlib import Path
 import pytest
 
 import durably
+from tests import pg
 
-# Every backend the contract suite runs against. PostgreSQL must be reachable: a test that
-# cannot connect fails, it is never skipped (.ci/run starts the server).
+# Every backend the contract suite runs against.
 BACKENDS = ["sqlite", "postgres"]
-POSTGRES_URL = os.environ.get(
-    "DURABLY_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
-)
+_OWN_SERVER = None if os.environ.get("DURABLY_TEST_POSTGRES_URL") else pg.Reserved()
+POSTGRES_URL = _OWN_SERVER.url if _OWN_SERVER else os.environ["DURABLY_TEST_POSTGRES_URL"]
+
+
+def say(config: pytest.Config, line: str) -> None:
+    """Show ``line`` on the terminal now, even from inside a captured test."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        if config.pluginmanager.getplugin("terminalreporter") is None:
+            print(line, file=sys.stderr)
+            return
+        terminal = config.get_terminal_writer()
+        if terminal.width_of_current_line:  # after a file's progress dots
+            terminal.line()
+        terminal.line(line)
+
+
+def start_postgres(config: pytest.Config) -> str:
+    """``POSTGRES_URL``, running: the session's own server is started on the first call.
+
+    If it cannot start (PostgreSQL is not installed, say) the session ends with one message
+    saying why, rather than every PostgreSQL test failing with it.
+    """
+    if _OWN_SERVER is None or _OWN_SERVER.cluster is not None:
+        return POSTGRES_URL
+    say(
+        config,
+        f"durably tests: starting a throwaway PostgreSQL for this session at {POSTGRES_URL} "
+        "(set DURABLY_TEST_POSTGRES_URL to use another server)",
+    )
+    try:
+        _OWN_SERVER.start()
+    except (pg.PostgresMissing, RuntimeError) as exc:
+        pytest.exit(f"durably tests: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
+    return POSTGRES_URL
+
+
+def pytest_unconfigure() -> None:
+    """The session's own server goes with the session, whatever ended it."""
+    if _OWN_SERVER is not None:
+        _OWN_SERVER.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of the test: what it needs from the machine."""
+    # A module that imports POSTGRES_URL connects to it itself, possibly from a fixture
+    # wider than the test's: its server must run before that fixture does.
+    module = getattr(item, "module", None)
+    if module is not None and "POSTGRES_URL" in vars(module):
+        start_postgres(item.config)
+    # The console tests' browser fixture launches Chromium by its path (browser.CHROMIUM).
+    if "browser" in getattr(item, "fixturenames", ()):
+        from tests.server.browser import ChromiumMissing, chromium
+
+        try:
+            chromium(lambda line: say(item.config, f"durably tests: {line}"))
+        except ChromiumMissing as exc:
+            pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def postgres_server(pytestconfig: pytest.Config) -> str:
+    """The URL of the PostgreSQL server the tests use, running (see :func:`start_postgres`)."""
+    return start_postgres(pytestconfig)
 
 
 def postgres_schema_url(schema: str) -> str:
@@ -26,7 +96,7 @@ def postgres_schema_url(schema: str) -> str:
 
 
 @pytest.fixture
-def postgres_schema() -> Iterator[str]:
+def postgres_schema(postgres_server: str) -> Iterator[str]:
     import psycopg
 
     schema = f"durably_test_{uuid.uuid4().hex[:12]}"

@@ -1,6 +1,6 @@
 """Harness of the scale tests: many real worker processes over one PostgreSQL schema.
 
-Each test gets a fresh schema (``postgres_schema``) on the shared server (or, if it stops or
+Each test gets a fresh schema (``postgres_schema``) on the suite's server (or, if it stops or
 restarts PostgreSQL, a throwaway server of its own: ``pg_cluster``), the example shop in its
 own process (one per module, reset before each test) as the ground truth of what happened, and a
 :class:`Scale` that starts runs, spawns worker processes (the real ``durably worker`` CLI,
@@ -31,8 +31,8 @@ from psycopg.rows import dict_row
 
 from durably.examples.shop import ShopService
 from tests.conftest import POSTGRES_URL, postgres_schema_url
+from tests.pg import Cluster, throwaway_cluster
 from tests.scale import scaleapp
-from tests.scale.cluster import Cluster, throwaway_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 APP_SPEC = "tests.scale.scaleapp:app"
@@ -363,12 +363,12 @@ def _shared_server_started_at() -> object:
 
 
 @pytest.fixture(autouse=True)
-def _shared_server_untouched() -> Iterator[None]:
-    """No scale test stops or restarts the shared PostgreSQL: others' tests run on it."""
+def _shared_server_untouched(postgres_server: str) -> Iterator[None]:
+    """No scale test stops or restarts the suite's PostgreSQL: every other test runs on it."""
     started_at = _shared_server_started_at()
     yield
     assert _shared_server_started_at() == started_at, (
-        f"the shared PostgreSQL ({POSTGRES_URL}) was restarted by this test; stop or restart "
+        f"the suite's PostgreSQL ({POSTGRES_URL}) was restarted by this test; stop or restart "
         "only a throwaway server (the pg_cluster fixture)"
     )
 
@@ -384,7 +384,7 @@ def pg_cluster() -> Iterator[Cluster]:
 def scale(
     request: pytest.FixtureRequest, shop_service: ShopService, tmp_path: Path
 ) -> Iterator[Scale]:
-    """The test's world: on a fresh schema of the shared server or, for a test that also
+    """The test's world: on a fresh schema of the suite's server or, for a test that also
     asks for ``pg_cluster`` (to stop or restart it), on that throwaway server."""
     if "pg_cluster" in request.fixturenames:
         url = request.getfixturevalue("pg_cluster").url
