@@ -36,7 +36,7 @@ from durably.store.base import (
     StepWrite,
     Transition,
 )
-from durably.values import MAX_TEXT_CHARS, check_id, check_text
+from durably.values import MAX_TEXT_CHARS, check_id, check_ref, check_text, storable_text
 from durably.worker import worker_id
 
 
@@ -93,7 +93,7 @@ async def start(
 
 async def execute(engine: Engine, run_id: str, *, owner: str | None = None) -> None:
     """Execute a runnable run in this process, if no live worker holds it."""
-    check_text(run_id, "run id")
+    check_ref(run_id, "run id")
     store = await engine.open()
     record = await store.get_run(run_id)
     if record is None:
@@ -128,7 +128,7 @@ async def resolve_effect(
     run execute it again with the same idempotency key; ``failed`` fails the call (the
     workflow sees :class:`StepFailed`). The run becomes runnable (``queued``).
     """
-    check_text(run_id, "run id")
+    check_ref(run_id, "run id")
     check_text(step_id, "step id")
     check_text(by, "by")
     store = await engine.open()
@@ -175,7 +175,7 @@ async def resolve_effect(
         tool = engine.registry.tool_def(op.tool, missing_ok=True)
         if tool is not None and tool.external_id is not None:
             try:
-                external_id = str(tool.external_id(result))
+                external_id = storable_text(str(tool.external_id(result)))
             except Exception as exc:
                 raise InvalidTransition(
                     f"the result given for {step_id} is not shaped like what {op.tool} "
@@ -247,7 +247,7 @@ async def resolve_effect(
 
 async def resume(engine: Engine, run_id: str) -> None:
     """Make a paused run runnable again and execute it here."""
-    check_text(run_id, "run id")
+    check_ref(run_id, "run id")
     store = await engine.open()
     record = await store.get_run(run_id)
     if record is None:
@@ -278,7 +278,7 @@ async def send_event(
     engine: Engine, run_id: str, name: str, payload: Any = None, *, event_id: str | None = None
 ) -> Literal["delivered", "duplicate ignored"]:
     """Deliver an event to a run, once per ``event_id``."""
-    check_text(run_id, "run id")
+    check_ref(run_id, "run id")
     check_text(name, "event name")
     if event_id is not None:
         check_text(event_id, "event id")
@@ -302,7 +302,7 @@ async def decide(
     comment: str | None = None,
 ) -> Approval:
     """Record one decision on the run's pending approval (``approval_id`` may be omitted)."""
-    check_text(run_id, "run id")
+    check_ref(run_id, "run id")
     if approval_id is not None:
         check_text(approval_id, "approval id")
     check_text(by, "by")
@@ -324,7 +324,7 @@ async def decide(
 
 async def cancel(engine: Engine, run_id: str, *, compensate: bool = False) -> None:
     """Cancel the run at its next call boundary (after its compensations, if asked)."""
-    check_text(run_id, "run id")
+    check_ref(run_id, "run id")
     store = await engine.open()
     record = await store.get_run(run_id)
     if record is None:

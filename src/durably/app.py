@@ -38,7 +38,7 @@ from durably.store.base import (
     Store,
 )
 from durably.subscription import Subscription
-from durably.values import check_text
+from durably.values import check_ref, check_text
 from durably.views import Run
 from durably.worker import Worker
 
@@ -399,7 +399,7 @@ class App:
         return await self.get_run_async(run_id)
 
     async def get_run_async(self, run_id: str) -> Run:
-        check_text(run_id, "run id")
+        check_ref(run_id, "run id")
         store = await self.open()
         record = await store.get_run(run_id)
         if record is None:
@@ -545,7 +545,7 @@ class App:
 
     async def describe_async(self, run_id: str) -> dict[str, Any]:
         """Everything about a run as plain JSON: the document behind ``runs show --json``."""
-        check_text(run_id, "run id")
+        check_ref(run_id, "run id")
         store = await self.open()
         journal = await store.load_journal(run_id, checkpoints=1)
         if journal is None:
@@ -557,7 +557,7 @@ class App:
         return self._loop.call(self.describe_async(run_id))
 
     async def events_async(self, run_id: str, *, after: int = 0) -> list[Event]:
-        check_text(run_id, "run id")
+        check_ref(run_id, "run id")
         store = await self.open()
         return await store.events(run_id, after=after)
 
@@ -566,7 +566,7 @@ class App:
         return self._loop.call(self.events_async(run_id, after=after))
 
     async def checkpoints_async(self, run_id: str) -> list[dict[str, Any]]:
-        check_text(run_id, "run id")
+        check_ref(run_id, "run id")
         store = await self.open()
         return views.checkpoints(await store.checkpoints(run_id), self.secret_key)
 

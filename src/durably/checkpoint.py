@@ -242,11 +242,13 @@ def verify_journal(
     stored_checkpoints: Sequence[tuple[dict[str, Any], str]],
     recorded_hashes_after: Callable[[int], Mapping[str, str]],
     key: bytes | None = None,
+    run_id: str | None = None,
 ) -> Verification:
     """Check the journal against the newest checkpoint that passes its checksum.
 
     ``stored_checkpoints`` are (payload, checksum) pairs, newest first; ``key`` is the App's
-    secret (see :func:`checksum_holds`).
+    secret (see :func:`checksum_holds`); ``run_id``, the run being verified: a checkpoint of
+    another run (copied over, seal and all) is not an anchor.
     ``recorded_hashes_after(seq)`` returns ``{step_id: output_hash}`` from the events after
     ``seq``; it is only called when results were settled after the anchor.
     Raises :class:`CheckpointCorrupted` when the journal cannot be verified.
@@ -254,6 +256,10 @@ def verify_journal(
     corrupted: list[str] = []
     anchor: Checkpoint | None = None
     for payload, checksum in stored_checkpoints:
+        if run_id is not None and payload.get("run_id") != run_id:
+            # A checkpoint sealed for another run proves nothing about this one.
+            corrupted.append(str(payload.get("checkpoint_id")))
+            continue
         try:
             anchor = from_stored(payload, checksum, key)
             break

@@ -9,10 +9,11 @@ can swallow it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +99,8 @@ class RunContext:
     cancel_requested: int = 0
     """0: no; 1: cancel at the next boundary; 2: cancel and compensate."""
     cancelling: bool = False
+    closing: bool = False
+    """Set when this execution is about to release the run: no step or tool call starts."""
     approvals: dict[str, list[Approval]] = field(default_factory=dict)
     usage: dict[str, float] = field(default_factory=dict)
     plan_version: int = 1
@@ -205,10 +208,14 @@ class RunContext:
             self.stop_writing(error)
             raise error
 
-    def hold_lease(self) -> None:
+    def hold_lease(self, call: int | None = None) -> None:
         """:meth:`check_lease` for the runtime itself, right before a step body or a tool
         call starts: the stop unwinds the workflow as ``Suspend``, which no ``except
-        Exception`` in workflow or framework code can swallow."""
+        Exception`` in workflow or framework code can swallow. Once the execution is closing
+        only a tool call already in flight (``call``) may still go on: the release waits
+        for it."""
+        if self.closing and (call is None or call not in self.inflight):
+            raise Suspend
         try:
             self.check_lease()
         except DurablyError as exc:
@@ -225,16 +232,39 @@ class RunContext:
             self.poisoned = error
         return error
 
-    async def quiesce(self, *, exclude: int | None = None) -> None:
+    async def quiesce(self, *, exclude: int | None = None, closing: bool = True) -> None:
         """Wait until the run's other in-flight tool executions have recorded their outcome.
 
         Parallel calls keep running when one of them fails or pauses the run; their
         outcomes must be recorded before the run is released, or they would need
-        reconciling although this worker knew them.
+        reconciling although this worker knew them. ``closing``: the execution is about to
+        release the run, so no call may start any more (:meth:`hold_lease`): one starting
+        after this wait would send while nobody holds the run.
         """
-        pending = [f for key, f in self.inflight.items() if key != exclude]
+        if closing:
+            self.closing = True
+        if exclude is not None:
+            self.landed(exclude)  # it waits here and sends nothing more: nobody waits for it
+        pending = list(self.inflight.values())
         if pending:
             await asyncio.wait([asyncio.shield(f) for f in pending])
+
+    @contextlib.asynccontextmanager
+    async def in_flight(self, call: int) -> AsyncIterator[None]:
+        """A tool call between its start and its recorded outcome: the run is released only
+        after it lands. None starts once the execution is closing."""
+        if self.closing:
+            raise Suspend
+        self.inflight[call] = asyncio.get_running_loop().create_future()
+        try:
+            yield
+        finally:
+            self.landed(call)
+
+    def landed(self, call: int) -> None:
+        done = self.inflight.pop(call, None)
+        if done is not None and not done.done():
+            done.set_result(None)
 
     async def boundary(self) -> None:
         """Before a call starts: stop here if the run is cancelled, or release it if the

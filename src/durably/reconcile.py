@@ -51,6 +51,8 @@ class Reconciliation:
     def __post_init__(self) -> None:
         # The detail is recorded with the run's pause: whatever the service said must fit.
         object.__setattr__(self, "detail", storable_text(str(self.detail)))
+        if not isinstance(self.duplicates, int) or self.duplicates < 0:
+            raise ValueError(f"duplicates must be a count (0 or more), not {self.duplicates!r}")
 
     @classmethod
     def succeeded(cls, result: Any, *, duplicates: int = 0) -> Reconciliation:

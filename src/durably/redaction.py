@@ -56,8 +56,11 @@ def scrub(tool: ToolDef, arguments: dict[str, Any], text: str) -> str:
     while stack:
         value = stack.pop()
         texts.add(str(value))
-        texts.add(json.dumps(value, ensure_ascii=False))
-        texts.add(json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":")))
+        for ascii_only in (False, True):  # json.dumps' default (and requests') escapes
+            texts.add(json.dumps(value, ensure_ascii=ascii_only))
+            texts.add(
+                json.dumps(value, ensure_ascii=ascii_only, sort_keys=True, separators=(",", ":"))
+            )
         if isinstance(value, dict):
             stack.extend(value.values())
         elif isinstance(value, list):

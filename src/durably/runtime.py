@@ -197,7 +197,7 @@ async def verified(
     ]
     stored = [(c.payload, c.checksum) for c in journal.checkpoints]
     try:
-        verification = verify_journal(settled, stored, lambda seq: {}, key)
+        verification = verify_journal(settled, stored, lambda seq: {}, key, run_id)
     except CheckpointCorrupted:
         verification = None
     if verification is None or verification.corrupted_checkpoints:
@@ -212,7 +212,7 @@ async def verified(
                 if e.sequence > sequence and e.step_id and e.payload.get("output_hash")
             }
 
-        verification = verify_journal(settled, stored, from_events, key)
+        verification = verify_journal(settled, stored, from_events, key, run_id)
     _check_ledger_matches_journal(journal)
     state = _journal_state(run_id, journal.steps, journal.operations, key)
     if not verification.corrupted_checkpoints:
@@ -394,7 +394,7 @@ async def _finish(
 
 async def _cancel(ctx: RunContext) -> None:
     """Finish a cancelled run: compensate if asked, then record it cancelled (final)."""
-    await ctx.quiesce()
+    await ctx.quiesce(closing=False)  # the compensations still run here
     compensated: list[str] = []
     error: dict[str, Any] | None = None
     if ctx.cancel_requested == 2:

@@ -63,6 +63,13 @@ def check_text(
     return value
 
 
+def check_ref(value: object, what: str) -> str:
+    """An id naming a record that exists already (a run id to look up): text as
+    :func:`check_text` accepts it, up to :data:`MAX_TEXT_CHARS`, so runs recorded before ids
+    were checked stay reachable."""
+    return check_text(value, what, max_chars=MAX_TEXT_CHARS)
+
+
 def check_json_value(value: Any, what: str) -> None:
     """Refuse what no store can hold or no reader can walk: nesting deeper than
     :data:`MAX_JSON_DEPTH`, and strings (values or keys) with a NUL or a lone surrogate."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 from durably import context, effect
+from durably.errors import InvalidInput
 
 
 async def charge(*, tokens: int = 0, cost: float = 0.0) -> None:
@@ -12,6 +15,12 @@ async def charge(*, tokens: int = 0, cost: float = 0.0) -> None:
     over the budget the run pauses here with reason ``budget_exceeded``.
     """
     ctx = context.active()
+    for what, amount in (("tokens", tokens), ("cost", cost)):
+        # NaN compares false with every limit: one such charge would switch the budget off.
+        if isinstance(amount, bool) or not isinstance(amount, int | float):
+            raise InvalidInput(f"charge({what}=...) takes a number, not {amount!r}")
+        if not math.isfinite(amount) or amount < 0:
+            raise InvalidInput(f"charge({what}={amount!r}): charge a finite amount, 0 or more")
     ctx.count("tokens", tokens)
     ctx.count("cost", cost)
     await ctx.check_budget()

@@ -15,7 +15,8 @@ import pytest
 
 import durably
 from durably import PauseReason, RunStatus
-from durably.keys import sha256_hex
+from durably.keys import canonical_json, sha256_hex
+from durably.store.base import NewRun
 from tests.conftest import execute_sql
 
 MakeApp = Callable[..., durably.App]
@@ -251,3 +252,120 @@ def test_errors_never_show_the_database_url_or_its_password(
         unreachable.close()
     assert "hunter2" not in str(down.value)
     assert "durably:***@127.0.0.1:1" in str(down.value)
+
+
+def test_a_reconciler_or_classifier_answering_nonsense_never_fails_the_run_for_good(
+    make_app: MakeApp,
+) -> None:
+    """A reconcile answer that cannot be true (a negative duplicate count) and a classify=
+    that names no category are treated as "unknown", not as a crash of the run."""
+    app = make_app()
+
+    def miscounted(op: durably.Operation) -> durably.Reconciliation:
+        return durably.Reconciliation.succeeded({"id": "c1"}, duplicates=-1)
+
+    @app.tool(reconcile=miscounted)
+    async def issue() -> dict[str, str]:
+        raise TimeoutError("read timed out after the request left")
+
+    @app.tool(idempotent=True, classify=lambda exc: "timeout")  # not a FailureCategory
+    async def notify() -> str:
+        raise RuntimeError("failed after send")
+
+    @app.workflow()
+    async def wf(which: str) -> Any:
+        return await (issue() if which == "issue" else notify())
+
+    for which, status in (("issue", "unknown"), ("notify", "succeeded")):
+        run = app.run(wf, which)
+        assert run.status is not RunStatus.FAILED, (which, run.error)
+        [effect] = app.describe(run.run_id)["effects"]
+        assert effect["status"] in (status, "unknown", "reconciling"), (which, effect)
+
+
+def test_an_external_id_no_store_can_hold_does_not_discard_the_result(
+    make_app: MakeApp,
+) -> None:
+    app = make_app()
+
+    @app.tool(idempotent=True, external_id=lambda r: r["ref"].replace("-", "\x00"))
+    async def issue() -> dict[str, str]:
+        return {"ref": "a-b"}
+
+    @app.workflow()
+    async def wf() -> dict[str, str]:
+        return await issue()
+
+    run = app.run(wf)
+    assert run.status is RunStatus.COMPLETED, run.error
+    assert run.result == {"ref": "a-b"}
+    assert app.describe(run.run_id)["effects"][0]["external_operation_id"] == "a\\x00b"
+
+
+@pytest.mark.parametrize(
+    "charged", [{"cost": float("nan")}, {"cost": -5.0}, {"tokens": -1}, {"cost": float("inf")}]
+)
+def test_a_charge_that_is_not_an_amount_is_refused(
+    make_app: MakeApp, charged: dict[str, float]
+) -> None:
+    """NaN compares false with every limit: accepted, it would switch the budget off."""
+    app = make_app()
+    calls: list[int] = []
+
+    @app.tool(idempotent=True)
+    async def spend(i: int) -> int:
+        calls.append(i)
+        return i
+
+    @app.workflow(budget=durably.Budget(max_cost=1.0, max_tokens=10))
+    async def wf() -> str:
+        try:
+            await durably.charge(**charged)  # type: ignore[arg-type]
+        except durably.InvalidInput as exc:
+            return str(exc)
+        await spend(1)
+        return "charged"
+
+    run = app.run(wf)
+    assert run.status is RunStatus.COMPLETED
+    assert "finite amount, 0 or more" in run.result
+    assert calls == []
+
+
+def test_a_run_recorded_before_ids_were_checked_stays_reachable(make_app: MakeApp) -> None:
+    """A 250-character run id (accepted before ids were validated) can still be looked up,
+    resolved, resumed and cancelled."""
+    app = make_app()
+
+    @app.tool()
+    async def send() -> str:
+        raise TimeoutError("unknown outcome")
+
+    @app.workflow()
+    async def wf() -> str:
+        return await send()
+
+    rid = "legacy-" + "x" * 250
+    run_input: dict[str, Any] = {"args": [], "kwargs": {}}
+
+    async def record_legacy() -> None:
+        store = await app.open()
+        await store.create_run(
+            NewRun(
+                run_id=rid,
+                tenant="default",
+                workflow="wf",
+                workflow_version="1",
+                input=run_input,
+                input_json=canonical_json(run_input),
+                input_hash=sha256_hex(canonical_json({"workflow": "wf", "input": run_input})),
+                key_scheme=1,
+            )
+        )
+
+    app.engine.block(record_legacy())
+    paused = app.resume(rid)
+    assert paused.status is RunStatus.PAUSED
+    app.resolve_effect(rid, "send#1", "failed")
+    assert app.get_run(rid).status is RunStatus.QUEUED
+    assert app.cancel(rid).status is RunStatus.CANCELLED

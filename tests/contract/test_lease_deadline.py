@@ -8,11 +8,13 @@ loop past the lease (no heartbeat can run), as a stopped process would.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -193,3 +195,108 @@ def test_not_executed_is_trusted_only_after_the_previous_lease_plus_the_grace(
     assert done.status is RunStatus.COMPLETED
     assert coupons == ["c-1"], "a second coupon: 'not executed' was believed too early"
     assert posts == ["c-1"]
+
+
+def test_a_pause_and_an_operators_resume_keep_the_senders_window(make_app: MakeApp) -> None:
+    """The new holder cannot settle the call yet (its lookup fails: the run pauses), and an
+    operator resumes at once. The frozen holder's send window is kept with the operation,
+    so "not executed" is still not believed before it ends plus the grace."""
+    app = make_app(lease_ttl=LEASE, reconcile_grace=timedelta(seconds=4))
+    coupons: list[str] = []
+    posts: list[str] = []
+    asks: list[str] = []
+
+    def find(op: durably.Operation) -> durably.Reconciliation:
+        asks.append(op.idempotency_key)
+        if len(asks) == 1:
+            raise ConnectionError("the lookup service blinked")  # unresolved: the run pauses
+        if op.arguments["customer"] in coupons:
+            return durably.Reconciliation.succeeded({"customer": op.arguments["customer"]})
+        return durably.Reconciliation.not_executed()
+
+    @app.tool(reconcile=find)
+    async def issue_coupon(customer: str) -> dict[str, str]:
+        posts.append(customer)
+        if len(posts) == 1:
+            threading.Timer(3.0, coupons.append, args=(customer,)).start()
+            frozen(LEASE.total_seconds() * 2.5)
+            durably.check_lease()
+        else:
+            coupons.append(customer)
+        return {"customer": customer}
+
+    @app.workflow()
+    async def wf() -> dict[str, str]:
+        return await issue_coupon("c-1")
+
+    first = app.run(wf)
+    paused = finish_elsewhere(app, first.run_id)
+    assert paused.status is RunStatus.PAUSED
+    done = app.resume(first.run_id)
+    assert done.status is RunStatus.COMPLETED
+    assert coupons == ["c-1"], "a second coupon: the pause lost the sender's window"
+    assert posts == ["c-1"]
+
+
+def test_after_its_own_timeout_a_worker_waits_the_grace_before_believing_silence(
+    make_app: MakeApp,
+) -> None:
+    """The request left, the answer did not come (TimeoutError): the service may still be
+    processing it. "Not executed" is believed only a grace after the call returned."""
+    app = make_app(lease_ttl=timedelta(seconds=5), reconcile_grace=timedelta(seconds=1.5))
+    coupons: list[str] = []
+    posts: list[str] = []
+
+    def find(op: durably.Operation) -> durably.Reconciliation:
+        if op.arguments["customer"] in coupons:
+            return durably.Reconciliation.succeeded({"customer": op.arguments["customer"]})
+        return durably.Reconciliation.not_executed()
+
+    @app.tool(reconcile=find)
+    async def issue_coupon(customer: str) -> dict[str, str]:
+        posts.append(customer)
+        if len(posts) == 1:
+            threading.Timer(0.8, coupons.append, args=(customer,)).start()  # a slow server
+            raise TimeoutError("read timed out")
+        coupons.append(customer)
+        return {"customer": customer}
+
+    @app.workflow()
+    async def wf() -> dict[str, str]:
+        return await issue_coupon("c-1")
+
+    run = app.run(wf)
+    assert run.status is RunStatus.COMPLETED
+    assert coupons == ["c-1"], "re-sent while the first request was still on its way"
+    assert posts == ["c-1"]
+
+
+def test_no_call_starts_once_a_parallel_branch_releases_the_run(make_app: MakeApp) -> None:
+    """One branch waits for an event (the run is released) while a sibling tool is about
+    to start: it must not send with nobody holding the run, or its outcome is lost."""
+    app = make_app(lease_ttl=timedelta(seconds=5))
+    sent: list[str] = []
+
+    @app.tool()  # neither idempotent nor reconcilable: a lost outcome would need a person
+    def charge_card(order: str) -> dict[str, str]:
+        time.sleep(0.2)
+        durably.check_lease()
+        sent.append(order)
+        return {"charged": order}
+
+    @app.workflow()
+    async def wf() -> list[Any]:
+        return list(await asyncio.gather(charge_card("o-1"), durably.wait_for_event("go")))
+
+    run = app.run(wf)
+    time.sleep(0.5)
+    waiting = app.describe(run.run_id)
+    statuses = {e["step_id"]: e["status"] for e in waiting["effects"]}
+    assert not (sent and statuses.get("charge_card#1") != "succeeded"), (
+        f"sent after the run was released, outcome lost: {statuses}"
+    )
+    app.send_event(run.run_id, "go")
+    app.worker(lease_ttl=timedelta(seconds=5)).run(until_idle=True)
+    done = app.get_run(run.run_id)
+    assert done.status is RunStatus.COMPLETED, (done.status, done.error)
+    assert sent == ["o-1"]

@@ -436,3 +436,100 @@ def test_a_redacted_call_recorded_with_a_plain_input_hash_still_replays(
     assert done.status is RunStatus.COMPLETED, done.error
     assert done.result == "open"
     assert sent == Counter({"acct-1": 2})
+
+
+TOKEN = "sk_live_ABCDEFGHIJKLMNOPQRSTUVWX"
+
+
+def test_a_long_error_message_is_scrubbed_before_it_is_cut(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """Cut first, a token straddling the 4,000-character cut would be stored as a prefix."""
+    app = make_app(secret_key=SECRET)
+
+    @app.tool(redact=["token"])
+    async def call(token: str) -> str:
+        raise PermissionError("x" * 3985 + " token=" + token)  # an echoed request
+
+    @app.workflow()
+    async def wf() -> str:
+        return await call(TOKEN)
+
+    run = app.run(wf)
+    assert TOKEN[:5] not in readable(app, database_url, run.run_id)
+
+
+def test_a_redacted_value_quoted_as_ascii_escaped_json_is_scrubbed(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """json.dumps (and requests) escape non-ASCII by default: that form is scrubbed too."""
+    app = make_app(secret_key=SECRET)
+    password = "pässwörd-9271"
+
+    @app.tool(redact=["password"])
+    async def login(user: str, password: str) -> str:
+        body = json.dumps({"user": user, "password": password})
+        raise PermissionError(f"401 for request body {body}")
+
+    @app.workflow()
+    async def wf() -> str:
+        return await login("bob", password)
+
+    run = app.run(wf)
+    everything = readable(app, database_url, run.run_id)
+    assert json.dumps(password)[1:-1] not in everything
+    assert "[redacted]" in app.describe(run.run_id)["effects"][0]["error"]["message"]
+
+
+def test_a_sealed_checkpoint_copied_from_another_run_proves_nothing(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """The attacker copies run X's sealed checkpoint into run Y and rewrites Y's result to
+    X's: the seal is real, but it is X's, so Y's altered journal is caught."""
+    app = make_app(secret_key=SECRET)
+    paid: list[int] = []
+
+    @app.step()
+    def quote(customer: str) -> int:
+        return 1000 if customer == "attacker" else 5
+
+    @app.tool(idempotent=True)
+    def pay(amount: int) -> int:
+        paid.append(amount)
+        return amount
+
+    @app.workflow()
+    async def wf(customer: str) -> int:
+        amount = await quote(customer)
+        await durably.wait_for_event("go")
+        return await pay(amount)
+
+    x = app.run(wf, "attacker")
+    y = app.run(wf, "victim")
+    [newest] = [c for c in app.checkpoints(x.run_id)][:1]
+    payload = {k: v for k, v in newest.items() if k not in ("checksum", "valid")}
+    execute_sql(
+        database_url,
+        "INSERT INTO durably_checkpoints (run_id, state_version, last_event_sequence, "
+        "schema_version, payload_json, checksum, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (
+            y.run_id,
+            999,
+            payload["last_event_sequence"],
+            payload["schema_version"],
+            plain_json(payload),
+            newest["checksum"],
+            payload["created_at"],
+        ),
+    )
+    execute_sql(
+        database_url,
+        "UPDATE durably_steps SET output_json = '1000' WHERE run_id = ? AND step_id = 'quote#1'",
+        (y.run_id,),
+    )
+    app.send_event(y.run_id, "go")
+    app.worker().run(until_idle=True)
+    assert 1000 not in paid, "the forged amount was paid"
+    done = app.get_run(y.run_id)
+    assert done.status is RunStatus.PAUSED
+    assert done.status_reason == "checkpoint_corrupted"

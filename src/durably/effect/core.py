@@ -115,9 +115,24 @@ class EffectCore:
             failure_category=None if op is None else op.failure_category,
             attempt=0 if op is None else op.attempt,
             expect_row_version=None if op is None else op.row_version,
+            send_deadline=self._send_window_end(),
         )
         fields.update(changes)
         return OperationWrite(**fields)
+
+    def _send_window_end(self) -> float | None:
+        """The latest moment (store clock) a send of this call may have started, as far as
+        this execution knows: the deadline recorded with the operation, or the lease of the
+        holder this execution took the run over from, whichever is later."""
+        known = [
+            t
+            for t in (
+                None if self.op is None else self.op.lease_until,
+                self.ctx.previous_lease_until,
+            )
+            if t is not None
+        ]
+        return max(known) if known else None
 
     def _step(self, status: StepStatus, **changes: Any) -> StepWrite:
         changes.setdefault("attempts", 0 if self.op is None else self.op.attempt)
@@ -202,7 +217,7 @@ class EffectCore:
             or (previous.external_operation_id if previous else None),
             attempt=write.attempt,
             lease_owner=ctx.lease.owner if held else None,
-            lease_until=committed.lease_until if held else None,
+            lease_until=committed.lease_until if held else write.send_deadline,
             lease_epoch=ctx.lease.epoch if held else None,
             row_version=committed.operation_row_version or 0,
             created_at=previous.created_at if previous else now,

@@ -42,12 +42,17 @@ class Effect(Reconciling, Approving, Recording):
     """One tool call inside a run, driven through the ledger until it settles."""
 
     async def settle(self) -> Any:
-        metrics = self.ctx.engine.metrics
         if self.op is None:
             # Only a brand-new call stops for a cancel, a shutdown or the budget: an effect
             # already under way is settled first (reconciled if need be), never abandoned.
             await self.ctx.boundary()
             await self.ctx.check_budget()
+        async with self.ctx.in_flight(id(self)):
+            return await self._until_settled()
+
+    async def _until_settled(self) -> Any:
+        """Decide, act, and decide again until the call has a result (or stops the run)."""
+        metrics = self.ctx.engine.metrics
         while True:
             op = self.op
             action = decide(
@@ -117,17 +122,11 @@ class Effect(Reconciling, Approving, Recording):
                 await self._pause()
 
     async def _execute(self) -> None:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.ctx.inflight[id(self)] = done
-        try:
-            if self.ctx.stopped:
-                # A parallel branch paused or released the run since this call was claimed:
-                # nothing is sent; whoever continues the run settles the claim.
-                raise Suspend
-            await self._call_and_record()
-        finally:
-            del self.ctx.inflight[id(self)]
-            done.set_result(None)
+        if self.ctx.stopped:
+            # A parallel branch paused or released the run since this call was claimed:
+            # nothing is sent; whoever continues the run settles the claim.
+            raise Suspend
+        await self._call_and_record()
 
     async def _call_and_record(self) -> None:
         refusal = await self._authorize()
@@ -135,7 +134,7 @@ class Effect(Reconciling, Approving, Recording):
             await self._record_failure(refusal)
             return
         # Past the lease another worker may be reconciling this very claim: never send.
-        self.ctx.hold_lease()
+        self.ctx.hold_lease(id(self))
         token = context._key.set(self.key)
         try:
             call = invoke(self.tool.fn, *self.args, **self.kwargs)

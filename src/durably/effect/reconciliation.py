@@ -96,15 +96,17 @@ class Reconciling(EffectCore):
     async def _before_not_executed_is_trusted(self) -> float:
         """Seconds until a "not executed" answer can be trusted (0 if it can now).
 
-        A previous holder of the run checked its lease right before sending, but a request
-        that left just before its lease ran out can reach the service later. Its deadline
-        plus ``App(reconcile_grace=...)`` bounds that: only then does silence mean never.
+        Whoever sent this call last (a previous holder of the run, or this execution before
+        its call timed out) stopped sending at the end of its send window, recorded with the
+        operation; a request that left just before can still reach the service later. That
+        moment plus ``App(reconcile_grace=...)`` bounds it: only then does silence mean never.
+        The window is kept through pauses and resumes, so an operator's ``resume`` waits too.
         """
-        previous = self.ctx.previous_lease_until
-        if previous is None:
+        window_end = self._send_window_end()
+        if window_end is None:
             return 0.0
         grace = self.ctx.engine.reconcile_grace.total_seconds()
-        return previous + grace - await self.ctx.store.now()
+        return window_end + grace - await self.ctx.store.now()
 
     async def _ask(self) -> Reconciliation:
         assert self.op is not None

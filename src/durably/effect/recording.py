@@ -27,6 +27,7 @@ from durably.store.base import (
     RunUpdate,
     Transition,
 )
+from durably.values import storable_text
 
 log = logging.getLogger("durably")
 
@@ -45,12 +46,12 @@ def classify(tool: ToolDef, exc: BaseException) -> FailureCategory:
     if tool.classify is not None:
         try:
             category = tool.classify(exc)
+            if category is not None:
+                return FailureCategory(category)
         except Exception as bug:
             # The outcome must still be recorded; an unclassifiable failure is unknown.
             log.warning("classify of %s raised %r; treating the outcome as unknown", tool.name, bug)
             return FailureCategory.UNKNOWN_OUTCOME
-        if category is not None:
-            return FailureCategory(category)
     if isinstance(exc, ConnectionRefusedError | socket.gaierror):
         return FailureCategory.TRANSIENT_BEFORE_SEND
     if isinstance(exc, TimeoutError | OutcomeUnknown | ConnectionError):
@@ -105,7 +106,7 @@ class Recording(EffectCore):
         external_id = None
         if self.tool.external_id is not None:
             try:
-                external_id = str(self.tool.external_id(result))
+                external_id = storable_text(str(self.tool.external_id(result)))
             except Exception as exc:
                 log.warning("external_id of %s failed: %r", self.tool.name, exc)
         try:
@@ -187,7 +188,11 @@ class Recording(EffectCore):
 
     async def _record_failure(self, exc: BaseException) -> None:
         category = classify(self.tool, exc)
-        error: dict[str, Any] = {k: self._scrub(v) for k, v in error_dict(exc).items()}
+        # Scrubbed whole, then cut: a secret straddling the cut would leave a clear prefix.
+        error: dict[str, Any] = {
+            "type": self._scrub(type(exc).__name__),
+            "message": storable_text(self._scrub(str(exc))),
+        }
         if isinstance(exc, ToolError) and exc.retry_after is not None:
             error["retry_after_s"] = exc.retry_after.total_seconds()
         if category is FailureCategory.UNKNOWN_OUTCOME:
@@ -202,8 +207,13 @@ class Recording(EffectCore):
             category.value,
             error["message"],
         )
+        changes: dict[str, Any] = {}
+        if status is OperationStatus.UNKNOWN:
+            # This execution's own send ended when the call returned: a request still on its
+            # way is given the reconcile grace from now.
+            changes["send_deadline"] = await self.ctx.store.now()
         await self._apply(
-            self._write(status, error=error, failure_category=category.value),
+            self._write(status, error=error, failure_category=category.value, **changes),
             self._step(StepStatus(status.value), error=error),
             [self._event(f"effect_{status.value}", category=category.value, **error)],
         )

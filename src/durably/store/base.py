@@ -233,7 +233,8 @@ class StepWrite:
 class OperationWrite:
     """Insert (``expect_row_version=None``) or conditional update of a tool operation.
 
-    ``hold_lease`` stamps the operation with the committing lease (owner, epoch, expiry).
+    ``hold_lease`` stamps the operation with the committing lease (owner, epoch, expiry);
+    otherwise its ``lease_until`` keeps ``send_deadline``.
     """
 
     tenant: str
@@ -253,6 +254,10 @@ class OperationWrite:
     attempt: int = 0
     expect_row_version: int | None = None
     hold_lease: bool = False
+    send_deadline: float | None = None
+    """When no lease holds the operation: the latest moment (store clock) a send of it may
+    have started, kept as its ``lease_until``. A reconciliation's "not executed" is trusted
+    only once that moment plus the reconcile grace has passed."""
 
 
 @dataclass(frozen=True)

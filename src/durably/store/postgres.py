@@ -953,7 +953,7 @@ def _operation(guard: Lease | Expect, o: OperationWrite) -> Statement:
     lease: tuple[Any, ...] = (
         (guard.owner, guard.ttl_s, guard.epoch)
         if held and isinstance(guard, Lease)
-        else (None, None, None)
+        else (None, o.send_deadline, None)
     )
     values = (
         o.status.value,

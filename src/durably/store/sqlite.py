@@ -515,7 +515,7 @@ class SQLiteStore(Store):
         lease = (
             (guard.owner, lease_until, guard.epoch)
             if held and isinstance(guard, Lease)
-            else (None, None, None)
+            else (None, o.send_deadline, None)
         )
         values = (
             o.status.value,
