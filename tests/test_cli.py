@@ -378,7 +378,7 @@ def test_cancel_of_a_waiting_run(project: Path) -> None:
 
     again = durably("cancel", "a-1")
     assert again.exit_code == 1
-    assert again.stderr.startswith("error: run a-1 is already cancelled")
+    assert again.stderr.startswith("error: run a-1 is cancelled (final)")
     # A cancelled run takes no more events.
     assert durably("event", "a-1", "approved", "--event-id", "e1").exit_code == 1
 

@@ -32,8 +32,10 @@ from durably.store.base import (
     Expect,
     NewRun,
     OperationWrite,
+    RunRecord,
     RunUpdate,
     StepWrite,
+    Store,
     Transition,
 )
 from durably.values import MAX_TEXT_CHARS, check_id, check_ref, check_text, storable_text
@@ -122,12 +124,7 @@ async def resolve_effect(
     result: Any = None,
     by: str = "operator",
 ) -> None:
-    """Settle an effect whose outcome is unknown, after checking the external system.
-
-    ``succeeded`` records ``result`` as what the tool returned; ``not_executed`` lets the
-    run execute it again with the same idempotency key; ``failed`` fails the call (the
-    workflow sees :class:`StepFailed`). The run becomes runnable (``queued``).
-    """
+    """Settle a paused run's unknown effect by hand (``App.resolve_effect`` says how)."""
     check_ref(run_id, "run id")
     check_text(step_id, "step id")
     check_text(by, "by")
@@ -245,8 +242,8 @@ async def resolve_effect(
     )
 
 
-async def resume(engine: Engine, run_id: str) -> None:
-    """Make a paused run runnable again and execute it here."""
+async def _open_run(engine: Engine, run_id: str) -> tuple[Store, RunRecord]:
+    """The store and the run, which must exist and not be finished."""
     check_ref(run_id, "run id")
     store = await engine.open()
     record = await store.get_run(run_id)
@@ -257,6 +254,12 @@ async def resume(engine: Engine, run_id: str) -> None:
             f"run {run_id} is {record.status} (final); fork a new run to do more",
             run_id=run_id,
         )
+    return store, record
+
+
+async def resume(engine: Engine, run_id: str) -> None:
+    """Make a paused run runnable again and execute it here."""
+    store, record = await _open_run(engine, run_id)
     waiting = record.waiting_for or {}
     if record.status_reason == PauseReason.PERMISSION and waiting.get("step_id"):
         # Resuming after re-authorisation: the refused call is attempted again.
@@ -324,13 +327,7 @@ async def decide(
 
 async def cancel(engine: Engine, run_id: str, *, compensate: bool = False) -> None:
     """Cancel the run at its next call boundary (after its compensations, if asked)."""
-    check_ref(run_id, "run id")
-    store = await engine.open()
-    record = await store.get_run(run_id)
-    if record is None:
-        raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
-    if record.status.is_final:
-        raise InvalidTransition(f"run {run_id} is already {record.status}", run_id=run_id)
+    store, record = await _open_run(engine, run_id)
     leased = record.lease_owner is not None and (record.lease_until or 0) > time.time()
     if not leased and not compensate:
         try:
