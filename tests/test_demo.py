@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from durably import RunStatus
-from durably.examples import sales_report as agent
-from durably.examples.demo import run_demo
-from durably.examples.shop import ShopService
+from durably.demo import sales_report as agent
+from durably.demo.shop import ShopService
+from durably.demo.walkthrough import run_demo
 
 
 def shop_counts(db_path: Path) -> tuple[dict[str, int], dict[str, int]]:

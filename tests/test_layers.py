@@ -52,7 +52,7 @@ LAYERS: dict[str, int] = {
     # the public API: re-exports of the layers below
     "durably": 6,
     # the shipped demo agent and its shop: user code of the public API (`import durably`)
-    "durably.examples": 7,
+    "durably.demo": 7,
     # the command line: the facade, the console and the demo
     "durably.cli": 8,
     "durably.__main__": 9,

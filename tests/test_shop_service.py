@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from durably.examples.shop import ShopHTTPError, ShopService, get_json, post_json
+from durably.demo.shop import ShopHTTPError, ShopService, get_json, post_json
 
 ORDER = {"customer": "ada", "items": [{"sku": "grinder", "qty": 1}], "amount": 129.5}
 COUPON = {"customer": "ada", "campaign": "spring"}
@@ -268,7 +268,7 @@ def test_cli_prints_listening_line_and_port_file(tmp_path: Path) -> None:
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "durably.examples.shop", "--db", str(tmp_path / "s.db")]
+    cmd = [sys.executable, "-m", "durably.demo.shop", "--db", str(tmp_path / "s.db")]
     cmd += ["--port", "0", "--port-file", str(port_file)]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) as proc:
         try:

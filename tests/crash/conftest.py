@@ -19,7 +19,7 @@ from typing import Any, Literal
 import pytest
 
 import durably
-from durably.examples.shop import ShopService
+from durably.demo.shop import ShopService
 from durably.store.base import Event
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 import durably
-from durably.examples.shop import ShopHTTPError, get_json, post_json
+from durably.demo.shop import ShopHTTPError, get_json, post_json
 
 LEASE_TTL_S = float(os.environ.get("CRASH_LEASE_TTL", "0.5"))
 

@@ -23,8 +23,8 @@ import pytest
 import durably
 from durably import FailureCategory
 from durably.definitions import ToolDef
+from durably.demo.shop import ShopHTTPError
 from durably.effect import classify
-from durably.examples.shop import ShopHTTPError
 from tests.crash import crashapp
 from tests.crash.conftest import PATH, TOOL, WORKFLOW, Harness, Shop, coupon_result
 

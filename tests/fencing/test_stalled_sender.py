@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from durably.examples.shop import ShopService, get_json
+from durably.demo.shop import ShopService, get_json
 from tests.scale import scaleapp
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,7 +29,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from durably.examples.shop import ShopService
+from durably.demo.shop import ShopService
 from tests.conftest import POSTGRES_URL, postgres_schema_url
 from tests.pg import Cluster, throwaway_cluster
 from tests.scale import scaleapp

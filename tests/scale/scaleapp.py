@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 import durably
-from durably.examples.shop import get_json, post_json
+from durably.demo.shop import get_json, post_json
 
 WORKFLOW = "purchase"
 

@@ -205,6 +205,6 @@ def _split(value: str) -> list[str]:
 @click.pass_context
 def demo(ctx: click.Context, workdir: Path | None) -> None:
     """Run the demo. A crash-and-recover scenario against the bundled example shop."""
-    from durably.examples.demo import run_demo
+    from durably.demo.walkthrough import run_demo
 
     ctx.exit(run_demo(workdir=workdir))

@@ -1,6 +1,6 @@
 """A small real HTTP shop service that example tools call and crash tests treat as ground truth.
 
-Run it with ``python -m durably.examples.shop --db PATH [--host H] [--port N] [--port-file F]``
+Run it with ``python -m durably.demo.shop --db PATH [--host H] [--port N] [--port-file F]``
 or from Python via :class:`ShopService`. ``/orders`` and ``/emails`` honour ``Idempotency-Key``
 like Stripe; ``/coupons`` deliberately does not. ``/faults`` injects failures around the commit.
 """
@@ -409,7 +409,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: serve until SIGTERM or Ctrl-C."""
-    parser = argparse.ArgumentParser(prog="python -m durably.examples.shop", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m durably.demo.shop", description=__doc__)
     parser.add_argument("--db", required=True, help="SQLite database file (created if missing)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
@@ -467,7 +467,7 @@ class ShopService:
         env = dict(os.environ)
         # The child must import this very package even if the parent found it via sys.path.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_SRC_ROOT), env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "durably.examples.shop", "--db", str(self.db_path)]
+        cmd = [sys.executable, "-m", "durably.demo.shop", "--db", str(self.db_path)]
         cmd += ["--port", "0", "--port-file", str(work / "port")]
         self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, env=env

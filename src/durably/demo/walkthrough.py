@@ -1,6 +1,6 @@
 """``durably demo``: kill an agent in its most dangerous window and watch it recover.
 
-The sales-report agent (:mod:`durably.examples.sales_report`) runs against the real shop
+The sales-report agent (:mod:`durably.demo.sales_report`) runs against the real shop
 service. Its worker is killed right after the shop issued a coupon and before durably
 recorded it: the window where a checkpoint-only agent would issue a second coupon on
 restart. A fresh worker recovers the run, asks the shop what happened, and finishes. The
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import durably
-from durably.examples.shop import ShopService
+from durably.demo.shop import ShopService
 from durably.faults import CRASH_EXIT_CODE
 
-APP = "durably.examples.sales_report:app"
+APP = "durably.demo.sales_report:app"
 LEASE_TTL_S = 1.0
 """Short, so the dead worker's lease runs out within the demo; production uses ~30 s."""
 CRASH_AT = "effect.after_call:2"

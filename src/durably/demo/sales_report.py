@@ -2,7 +2,7 @@
 
 The agent reads a region's figures, asks a model to draft a report, then acts on it: it
 places a restock order, issues a loyalty coupon and emails the regional lead. It calls the
-small shop service of :mod:`durably.examples.shop` over real HTTP, so a crash can land
+small shop service of :mod:`durably.demo.shop` over real HTTP, so a crash can land
 between an effect happening at the shop and durably recording it — the window this library
 exists for.
 
@@ -23,10 +23,10 @@ time or money but changes nothing outside, and a completed step is never re-run.
 
 Run it against a shop::
 
-    python -m durably.examples.shop --db shop.db --port 8765 &
+    python -m durably.demo.shop --db shop.db --port 8765 &
     export SHOP_URL=http://127.0.0.1:8765
-    durably --app durably.examples.sales_report:app start sales_report --input '{"region":"EMEA"}'
-    durably --app durably.examples.sales_report:app worker --until-idle
+    durably --app durably.demo.sales_report:app start sales_report --input '{"region":"EMEA"}'
+    durably --app durably.demo.sales_report:app worker --until-idle
 
 ``durably demo`` does all of this for you and kills the worker in the worst window.
 """
@@ -41,7 +41,7 @@ import uuid
 from typing import Any
 
 import durably
-from durably.examples.shop import ShopHTTPError, get_json, post_json
+from durably.demo.shop import ShopHTTPError, get_json, post_json
 
 app = durably.App(os.environ.get("DURABLY_DATABASE_URL", "sqlite:///sales_report.db"))
 
@@ -57,7 +57,7 @@ def shop_url() -> str:
     url = os.environ.get("SHOP_URL", "").rstrip("/")
     if not url:
         raise durably.ConfigurationError(
-            "SHOP_URL is not set; start the shop (python -m durably.examples.shop --db shop.db)"
+            "SHOP_URL is not set; start the shop (python -m durably.demo.shop --db shop.db)"
             " and export SHOP_URL=http://127.0.0.1:<port>"
         )
     return url

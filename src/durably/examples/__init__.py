@@ -1,1 +1,0 @@
-"""Runnable example agents and the small external service their tools call."""
