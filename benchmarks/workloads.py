@@ -27,84 +27,79 @@ def _result(i: int) -> dict[str, Any]:
     return {"i": i, "status": "ok", "note": "a small step result"}
 
 
-def build_step_async(url: str) -> tuple[durably.App, Workflow]:
+def _calling(
+    url: str, register: Callable[[durably.App], Callable[..., Any]], argument: str
+) -> tuple[durably.App, Workflow]:
+    """An App whose ``bench(n)`` workflow makes ``n`` calls of what ``register`` adds."""
     app = durably.App(url)
-
-    @app.step()
-    async def lookup(i: int, region: str) -> dict[str, Any]:
-        return _result(i)
+    call = register(app)
 
     @app.workflow()
     async def bench(n: int) -> int:
         for i in range(n):
-            _ = await lookup(i, "EMEA")
+            _ = await call(i, argument)
         return n
 
     return app, bench
+
+
+def build_step_async(url: str) -> tuple[durably.App, Workflow]:
+    def register(app: durably.App) -> Callable[..., Any]:
+        @app.step()
+        async def lookup(i: int, region: str) -> dict[str, Any]:
+            return _result(i)
+
+        return lookup
+
+    return _calling(url, register, "EMEA")
 
 
 def build_step_sync(url: str) -> tuple[durably.App, Workflow]:
-    app = durably.App(url)
+    def register(app: durably.App) -> Callable[..., Any]:
+        @app.step()
+        def lookup(i: int, region: str) -> dict[str, Any]:
+            return _result(i)
 
-    @app.step()
-    def lookup(i: int, region: str) -> dict[str, Any]:
-        return _result(i)
+        return lookup
 
-    @app.workflow()
-    async def bench(n: int) -> int:
-        for i in range(n):
-            _ = await lookup(i, "EMEA")
-        return n
+    return _calling(url, register, "EMEA")
 
-    return app, bench
+
+def _sent(i: int) -> dict[str, Any]:
+    return {**_result(i), "key": durably.idempotency_key()[:12]}
 
 
 def build_tool_idempotent(url: str) -> tuple[durably.App, Workflow]:
-    app = durably.App(url)
+    def register(app: durably.App) -> Callable[..., Any]:
+        @app.tool(idempotent=True)
+        async def send(i: int, to: str) -> dict[str, Any]:
+            return _sent(i)
 
-    @app.tool(idempotent=True)
-    async def send(i: int, to: str) -> dict[str, Any]:
-        return {**_result(i), "key": durably.idempotency_key()[:12]}
+        return send
 
-    @app.workflow()
-    async def bench(n: int) -> int:
-        for i in range(n):
-            _ = await send(i, "lead@example.com")
-        return n
-
-    return app, bench
+    return _calling(url, register, "lead@example.com")
 
 
 def build_tool_idempotent_sync(url: str) -> tuple[durably.App, Workflow]:
-    app = durably.App(url)
+    def register(app: durably.App) -> Callable[..., Any]:
+        @app.tool(idempotent=True)
+        def send(i: int, to: str) -> dict[str, Any]:
+            return _sent(i)
 
-    @app.tool(idempotent=True)
-    def send(i: int, to: str) -> dict[str, Any]:
-        return {**_result(i), "key": durably.idempotency_key()[:12]}
+        return send
 
-    @app.workflow()
-    async def bench(n: int) -> int:
-        for i in range(n):
-            _ = await send(i, "lead@example.com")
-        return n
-
-    return app, bench
+    return _calling(url, register, "lead@example.com")
 
 
 def build_tool_plain(url: str) -> tuple[durably.App, Workflow]:
-    app = durably.App(url)
+    def register(app: durably.App) -> Callable[..., Any]:
+        @app.tool()
+        async def send(i: int, to: str) -> dict[str, Any]:
+            return _sent(i)
 
-    @app.tool()
-    async def send(i: int, to: str) -> dict[str, Any]:
-        return {**_result(i), "key": durably.idempotency_key()[:12]}
+        return send
 
-    @app.workflow()
-    async def bench(n: int) -> int:
-        for i in range(n):
-            _ = await send(i, "lead@example.com")
-        return n
-
-    return app, bench
+    return _calling(url, register, "lead@example.com")
 
 
 @dataclass(frozen=True)

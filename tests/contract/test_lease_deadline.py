@@ -154,6 +154,34 @@ def test_check_lease_outside_a_run_is_a_clear_error() -> None:
         durably.fencing_token()
 
 
+class SlowCoupons:
+    """A coupon service without idempotency whose first request reaches it late.
+
+    ``coupons`` are its own records, ``posts`` the requests sent to it; ``find`` is the
+    reconcile function that asks it.
+    """
+
+    def __init__(self, first_arrives_after_s: float) -> None:
+        self.delay_s = first_arrives_after_s
+        self.coupons: list[str] = []
+        self.posts: list[str] = []
+
+    def post(self, customer: str) -> bool:
+        """Send a request; True for the first one, which is still on its way."""
+        self.posts.append(customer)
+        if len(self.posts) == 1:
+            threading.Timer(self.delay_s, self.coupons.append, args=(customer,)).start()
+            return True
+        self.coupons.append(customer)
+        return False
+
+    def find(self, op: durably.Operation) -> durably.Reconciliation:
+        customer = op.arguments["customer"]
+        if customer in self.coupons:
+            return durably.Reconciliation.succeeded({"customer": customer})
+        return durably.Reconciliation.not_executed()
+
+
 def test_not_executed_is_trusted_only_after_the_previous_lease_plus_the_grace(
     make_app: MakeApp,
 ) -> None:
@@ -162,27 +190,14 @@ def test_not_executed_is_trusted_only_after_the_previous_lease_plus_the_grace(
     that holder's lease deadline plus ``reconcile_grace`` has passed; asked again then, the
     service has it, and nothing is sent twice."""
     app = make_app(lease_ttl=LEASE, reconcile_grace=timedelta(seconds=2))
-    coupons: list[str] = []  # the service's own records
-    posts: list[str] = []
+    shop = SlowCoupons(first_arrives_after_s=2.0)
 
-    def arrive(customer: str) -> None:
-        coupons.append(customer)
-
-    def find(op: durably.Operation) -> durably.Reconciliation:
-        if op.arguments["customer"] in coupons:
-            return durably.Reconciliation.succeeded({"customer": op.arguments["customer"]})
-        return durably.Reconciliation.not_executed()
-
-    @app.tool(reconcile=find)
+    @app.tool(reconcile=shop.find)
     async def issue_coupon(customer: str) -> dict[str, str]:
-        posts.append(customer)
-        if len(posts) == 1:
+        if shop.post(customer):
             # The request left in time but travels slowly, and this process then freezes.
-            threading.Timer(2.0, arrive, args=(customer,)).start()
             frozen(LEASE.total_seconds() * 2.5)
             durably.check_lease()
-        else:
-            arrive(customer)
         return {"customer": customer}
 
     @app.workflow()
@@ -193,8 +208,8 @@ def test_not_executed_is_trusted_only_after_the_previous_lease_plus_the_grace(
     assert first.status is not RunStatus.COMPLETED
     done = finish_elsewhere(app, first.run_id)
     assert done.status is RunStatus.COMPLETED
-    assert coupons == ["c-1"], "a second coupon: 'not executed' was believed too early"
-    assert posts == ["c-1"]
+    assert shop.coupons == ["c-1"], "a second coupon: 'not executed' was believed too early"
+    assert shop.posts == ["c-1"]
 
 
 def test_a_pause_and_an_operators_resume_keep_the_senders_window(make_app: MakeApp) -> None:
@@ -202,27 +217,20 @@ def test_a_pause_and_an_operators_resume_keep_the_senders_window(make_app: MakeA
     operator resumes at once. The frozen holder's send window is kept with the operation,
     so "not executed" is still not believed before it ends plus the grace."""
     app = make_app(lease_ttl=LEASE, reconcile_grace=timedelta(seconds=4))
-    coupons: list[str] = []
-    posts: list[str] = []
+    shop = SlowCoupons(first_arrives_after_s=3.0)
     asks: list[str] = []
 
     def find(op: durably.Operation) -> durably.Reconciliation:
         asks.append(op.idempotency_key)
         if len(asks) == 1:
             raise ConnectionError("the lookup service blinked")  # unresolved: the run pauses
-        if op.arguments["customer"] in coupons:
-            return durably.Reconciliation.succeeded({"customer": op.arguments["customer"]})
-        return durably.Reconciliation.not_executed()
+        return shop.find(op)
 
     @app.tool(reconcile=find)
     async def issue_coupon(customer: str) -> dict[str, str]:
-        posts.append(customer)
-        if len(posts) == 1:
-            threading.Timer(3.0, coupons.append, args=(customer,)).start()
+        if shop.post(customer):
             frozen(LEASE.total_seconds() * 2.5)
             durably.check_lease()
-        else:
-            coupons.append(customer)
         return {"customer": customer}
 
     @app.workflow()
@@ -234,8 +242,8 @@ def test_a_pause_and_an_operators_resume_keep_the_senders_window(make_app: MakeA
     assert paused.status is RunStatus.PAUSED
     done = app.resume(first.run_id)
     assert done.status is RunStatus.COMPLETED
-    assert coupons == ["c-1"], "a second coupon: the pause lost the sender's window"
-    assert posts == ["c-1"]
+    assert shop.coupons == ["c-1"], "a second coupon: the pause lost the sender's window"
+    assert shop.posts == ["c-1"]
 
 
 def test_after_its_own_timeout_a_worker_waits_the_grace_before_believing_silence(
@@ -244,21 +252,12 @@ def test_after_its_own_timeout_a_worker_waits_the_grace_before_believing_silence
     """The request left, the answer did not come (TimeoutError): the service may still be
     processing it. "Not executed" is believed only a grace after the call returned."""
     app = make_app(lease_ttl=timedelta(seconds=5), reconcile_grace=timedelta(seconds=1.5))
-    coupons: list[str] = []
-    posts: list[str] = []
+    shop = SlowCoupons(first_arrives_after_s=0.8)
 
-    def find(op: durably.Operation) -> durably.Reconciliation:
-        if op.arguments["customer"] in coupons:
-            return durably.Reconciliation.succeeded({"customer": op.arguments["customer"]})
-        return durably.Reconciliation.not_executed()
-
-    @app.tool(reconcile=find)
+    @app.tool(reconcile=shop.find)
     async def issue_coupon(customer: str) -> dict[str, str]:
-        posts.append(customer)
-        if len(posts) == 1:
-            threading.Timer(0.8, coupons.append, args=(customer,)).start()  # a slow server
+        if shop.post(customer):
             raise TimeoutError("read timed out")
-        coupons.append(customer)
         return {"customer": customer}
 
     @app.workflow()
@@ -267,8 +266,8 @@ def test_after_its_own_timeout_a_worker_waits_the_grace_before_believing_silence
 
     run = app.run(wf)
     assert run.status is RunStatus.COMPLETED
-    assert coupons == ["c-1"], "re-sent while the first request was still on its way"
-    assert posts == ["c-1"]
+    assert shop.coupons == ["c-1"], "re-sent while the first request was still on its way"
+    assert shop.posts == ["c-1"]
 
 
 def test_no_call_starts_once_a_parallel_branch_releases_the_run(make_app: MakeApp) -> None:
