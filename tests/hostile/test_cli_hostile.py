@@ -390,7 +390,11 @@ def _as_another_user() -> tuple[str, dict[str, Any]]:
             continue
         if probe.returncode == 0:
             return python, options
-    pytest.skip("running as root, and no Python interpreter that nobody may run")
+    pytest.fail(
+        "running as root, and no Python interpreter the user nobody may run: install "
+        f"Debian's python{sys.version_info[0]}.{sys.version_info[1]} (root ignores file modes, so "
+        "an unreadable file can only be shown to another user)"
+    )
 
 
 def test_an_unreadable_database_is_a_clear_error() -> None:
