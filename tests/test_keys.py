@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from durably.errors import NotJSONSerializable, PayloadTooLarge
 from durably.keys import canonical_json, idempotency_key, input_hash, keyed_hex, sha256_hex
-from durably.values import MAX_JSON_DEPTH
+from durably.values import MAX_JSON_DEPTH, check_json_value, json_text_fits
 
 # Text a store can hold: no lone surrogates, no NUL (both refused, see below).
 storable_text = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\x00"))
@@ -128,3 +129,34 @@ def test_values_that_would_not_replay_identically_are_refused(value: object) -> 
 def test_size_limit() -> None:
     with pytest.raises(PayloadTooLarge, match="over the limit of 10"):
         canonical_json("x" * 20, limit=10)
+
+
+any_text = st.text(st.characters(codec=None))  # NUL and lone surrogates included
+any_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | any_text,
+    lambda children: st.lists(children) | st.dictionaries(any_text, children),
+    max_leaves=30,
+)
+
+
+@given(any_json)
+def test_the_fast_scan_never_passes_what_the_walk_refuses(value: object) -> None:
+    """canonical_json walks the value only when json_text_fits says no: it must never say
+    yes to a value check_json_value refuses."""
+    text = json.dumps(value, ensure_ascii=False)
+    if json_text_fits(text):
+        check_json_value(value, "value")
+
+
+@given(st.integers(min_value=1, max_value=80))
+def test_the_fast_scan_measures_nesting_like_the_walk(levels: int) -> None:
+    value: object = "x]}["
+    for _ in range(levels):
+        value = [{"k[": value}] if levels % 2 else [value]
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        check_json_value(value, "value")
+    except NotJSONSerializable:
+        assert not json_text_fits(text)
+    else:
+        assert json_text_fits(text)

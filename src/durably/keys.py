@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from durably.errors import NotJSONSerializable, PayloadTooLarge
-from durably.values import check_json_value
+from durably.values import check_json_value, json_text_fits
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 
@@ -20,17 +20,23 @@ def canonical_json(value: Any, *, what: str = "value", limit: int | None = None)
     like would replay as something else than the original call saw, so they are refused;
     so are strings no store can hold and nesting past ``values.MAX_JSON_DEPTH``.
     """
-    check_json_value(value, what)
     try:
         text = json.dumps(
             value, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False
         )
+    except RecursionError:
+        check_json_value(value, what)  # names the nesting
+        raise
     except (TypeError, ValueError) as exc:
         raise NotJSONSerializable(
             f"{what} is not plain JSON ({exc}); return or pass dicts, lists, str, int, float, "
             "bool or None (convert dataclasses with dataclasses.asdict, datetimes with "
             ".isoformat())"
         ) from exc
+    if not json_text_fits(text):
+        # Rare: walk the value to name what no store can hold (the scan may also have seen
+        # a harmless literal backslash-u0000).
+        check_json_value(value, what)
     if json.loads(text) != value:
         raise NotJSONSerializable(
             f"{what} does not survive a JSON round trip unchanged (tuples, sets or non-string "

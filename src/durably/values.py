@@ -105,6 +105,25 @@ def storable_text(text: str, max_chars: int = MAX_TEXT_CHARS) -> str:
     return text
 
 
+# A JSON string literal, escapes included: what is left outside them is structure.
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def json_text_fits(text: str) -> bool:
+    """A fast look at JSON text (``ensure_ascii=False``) for what :func:`check_json_value`
+    refuses: False if it may hold a NUL (always escaped as ``\u0000``), a lone surrogate
+    (unencodable) or nesting deeper than :data:`MAX_JSON_DEPTH`. On the hot path, so the
+    value itself is only walked when this says False."""
+    if "\\u0000" in text or not _encodable(text):
+        return False
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest <= MAX_JSON_DEPTH
+
+
 def _check_json_string(text: str, what: str) -> None:
     if text.isascii():
         if "\x00" in text:
