@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import re
-
 from durably.errors import ConfigurationError
-from durably.store.base import Store
+from durably.store.base import Store, shown_url
 
 
 def open_store(url: str) -> Store:
@@ -14,7 +12,7 @@ def open_store(url: str) -> Store:
     # database). An undecodable character (from a command line's bytes) names nothing.
     if "\x00" in url or not url.isprintable():
         raise ConfigurationError(
-            f"database URL {_redacted(url)!r} contains control or undecodable characters; "
+            f"database URL {shown_url(url)!r} contains control or undecodable characters; "
             "percent-encode them (%20) or correct the URL"
         )
     if url.startswith("sqlite:"):
@@ -32,17 +30,12 @@ def open_store(url: str) -> Store:
             conninfo_to_dict(url)
         except psycopg.ProgrammingError as exc:
             raise ConfigurationError(
-                f"malformed PostgreSQL URL {_redacted(url)!r} ({str(exc).strip()}); write "
+                f"malformed PostgreSQL URL {shown_url(url)!r} ({str(exc).strip()}); write "
                 "postgresql://user:password@host:5432/dbname, percent-encoding any other "
                 "character in its parts (@ as %40)"
             ) from None
         return PostgresStore(url)
     raise ConfigurationError(
-        f"unsupported database URL {_redacted(url)!r}; use sqlite:///path.db or "
+        f"unsupported database URL {shown_url(url)!r}; use sqlite:///path.db or "
         "postgresql://user@host:5432/dbname"
     )
-
-
-def _redacted(url: str) -> str:
-    """``url`` without its password, for error messages that may be logged or shown."""
-    return re.sub(r"(//[^/?#@:]*:)[^/?#@]*@", r"\1***@", url)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
-import urllib.parse
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -472,12 +472,11 @@ def lease_lost(lease: Lease) -> LeaseLostError:
 
 
 def shown_url(url: str) -> str:
-    """``url`` fit for an error message, a log line or an API answer: without its password."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    """``url`` fit for an error message, a log line or an API answer: without its password.
+
+    A pattern, not a URL parser: it must also work on the malformed URLs it reports.
+    """
+    return re.sub(r"(//[^/?#@:]*:)[^/?#@]*@", r"\1***@", url)
 
 
 def run_from_row(r: Row) -> RunRecord:
