@@ -38,7 +38,7 @@ from durably.store.base import (
     Store,
     Transition,
 )
-from durably.values import MAX_TEXT_CHARS, check_id, check_ref, check_text, storable_text
+from durably.values import MAX_TEXT_CHARS, check_id, check_ref, check_text
 from durably.worker import worker_id
 
 
@@ -170,9 +170,9 @@ async def resolve_effect(
         journal_state.effect_completed(op.idempotency_key)
         op_status = OperationStatus.SUCCEEDED
         tool = engine.registry.tool_def(op.tool, missing_ok=True)
-        if tool is not None and tool.external_id is not None:
+        if tool is not None:
             try:
-                external_id = storable_text(str(tool.external_id(result)))
+                external_id = tool.external_id_of(result)
             except Exception as exc:
                 raise InvalidTransition(
                     f"the result given for {step_id} is not shaped like what {op.tool} "

@@ -13,6 +13,7 @@ from typing import Any
 from durably.errors import ConfigurationError
 from durably.reconcile import Operation, Reconciliation
 from durably.status import FailureCategory
+from durably.values import storable_text
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,13 @@ class ToolDef:
     def can_reconcile(self) -> bool:
         """Whether an unknown outcome can be settled without a person."""
         return self.reconcile is not None or self.idempotent
+
+    def external_id_of(self, result: Any) -> str | None:
+        """The service's id for the operation, as stored (``external_id=`` may raise)."""
+        if self.external_id is None:
+            return None
+        # Derived from a result, but by user code: it must still fit every store.
+        return storable_text(str(self.external_id(result)))
 
 
 def check_name(kind: str, name: str, taken: dict[str, Any]) -> None:

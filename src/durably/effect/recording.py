@@ -104,11 +104,10 @@ class Recording(EffectCore):
         except (NotJSONSerializable, PayloadTooLarge) as exc:
             await self._refuse_result(error_dict(exc), record=True)
         external_id = None
-        if self.tool.external_id is not None:
-            try:
-                external_id = storable_text(str(self.tool.external_id(result)))
-            except Exception as exc:
-                log.warning("external_id of %s failed: %r", self.tool.name, exc)
+        try:
+            external_id = self.tool.external_id_of(result)
+        except Exception as exc:
+            log.warning("external_id of %s failed: %r", self.tool.name, exc)
         try:
             await self._apply(
                 self._write(
