@@ -11,6 +11,8 @@ different kind of external service:
 * ``classified_tool``: like ``plain_tool`` but classifies the shop's 503 (answered before any
   effect is written) as ``TRANSIENT_BEFORE_SEND``.
 
+* ``garbled_tool``: ``idem_tool`` whose result holds a lone surrogate (workflow
+  ``garbled_once``): it takes effect, but no store can hold what it returns.
 * ``approved_tool``: ``idem_tool`` with ``requires_approval=True``: each call waits for a
   person's approval bound to it before it may POST /orders (workflow ``approved_once``).
 
@@ -83,6 +85,13 @@ def _place_order(customer: str, campaign: str) -> dict[str, Any]:
 @app.tool(idempotent=True, external_id=lambda r: r["order_id"])
 def idem_tool(customer: str, campaign: str) -> dict[str, Any]:
     return _place_order(customer, campaign)
+
+
+@app.tool(idempotent=True)
+def garbled_tool(customer: str, campaign: str) -> dict[str, Any]:
+    """``idem_tool`` whose answer arrives cut in the middle of a character: the order is
+    placed, but the result holds a lone surrogate that no store can hold."""
+    return {**_place_order(customer, campaign), "memo": "Thanks \ud83d"}
 
 
 @app.tool(idempotent=True, requires_approval=True, external_id=lambda r: r["order_id"])
@@ -164,3 +173,4 @@ for _kind, _tool in TOOLS.items():
     app.workflow(name=f"{_kind}_once")(_once(_tool))
     app.workflow(name=f"{_kind}_twice")(_twice(_tool))
 app.workflow(name="approved_once")(_once(approved_tool))
+app.workflow(name="garbled_once")(_once(garbled_tool))
