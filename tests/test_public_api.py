@@ -31,6 +31,7 @@ def test_errors_can_be_caught_by_kind() -> None:
             "LeaseLostError",
             "CheckpointCorrupted",
             "BudgetExceeded",
+            "NotAwaited",
         },
     }
     for group, members in groups.items():
@@ -40,3 +41,13 @@ def test_errors_can_be_caught_by_kind() -> None:
         for name in others:
             obj = getattr(durably, name)
             assert not (isinstance(obj, type) and issubclass(obj, group)), (name, group)
+
+
+def test_a_stop_is_not_an_exception() -> None:
+    """Inside a workflow a stop arrives as RunStopped, which ``except Exception`` (an agent
+    framework's tool error handler) does not catch."""
+    assert issubclass(durably.RunStopped, BaseException)
+    assert not issubclass(durably.RunStopped, Exception)
+    stop = durably.RunStopped(durably.LeaseLostError("gone", run_id="r1"))
+    assert isinstance(stop.error, durably.RunStopError)
+    assert str(stop) == "gone"

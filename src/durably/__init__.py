@@ -32,12 +32,14 @@ from durably.errors import (
     InvalidTransition,
     LeaseLostError,
     NonDeterminismError,
+    NotAwaited,
     NotJSONSerializable,
     OutcomeUnknown,
     OutsideRunError,
     PayloadTooLarge,
     RunNotFound,
     RunStopError,
+    RunStopped,
     SchemaTooNew,
     StepFailed,
     StoreError,
@@ -59,7 +61,7 @@ from durably.store.base import Approval, Event
 from durably.subscription import Subscription
 from durably.views import Run
 from durably.waits import approval, replan, sleep, wait_for_event
-from durably.workflow_api import charge, compensate
+from durably.workflow_api import charge, compensate, gather
 
 __all__ = [
     "App",
@@ -81,6 +83,7 @@ __all__ = [
     "InvalidTransition",
     "LeaseLostError",
     "NonDeterminismError",
+    "NotAwaited",
     "NotJSONSerializable",
     "Operation",
     "OperationStatus",
@@ -96,6 +99,7 @@ __all__ = [
     "RunNotFound",
     "RunStatus",
     "RunStopError",
+    "RunStopped",
     "SchemaTooNew",
     "StepFailed",
     "StepStatus",
@@ -112,6 +116,7 @@ __all__ = [
     "current_run",
     "fenced",
     "fencing_token",
+    "gather",
     "idempotency_key",
     "register_checkpoint_migration",
     "replan",

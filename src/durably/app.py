@@ -18,6 +18,8 @@ from durably.definitions import (
     StepDef,
     ToolDef,
     WorkflowDef,
+    check_name,
+    signature_of,
 )
 from durably.effect import Effect
 from durably.engine import Engine
@@ -65,9 +67,7 @@ class Durable(Generic[P, R]):
 
     def with_step_id(self, step_id: str) -> Durable[P, R]:
         """The same call under an explicit, stable step id (instead of ``<name>#<n>``)."""
-        check_text(step_id, "step id")
-        if not step_id or "|" in step_id:
-            raise ConfigurationError(f"step id {step_id!r} is empty or contains '|'")
+        check_step_id(step_id)
         return Durable(self.definition, self.fn, step_id)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
@@ -76,8 +76,14 @@ class Durable(Generic[P, R]):
         # gathered in parallel get ids in the order the workflow created them.
         if isinstance(self.definition, ToolDef):
             call = Effect(ctx, self.definition, args, kwargs, self._step_id)
-            return call.settle()
+            return ctx.created(call.step_id, call.tool.name, call.settle())
         return runtime.call_step(ctx, self.definition, args, kwargs, self._step_id)
+
+
+def check_step_id(step_id: str) -> None:
+    check_text(step_id, "step id")
+    if not step_id or "|" in step_id:
+        raise ConfigurationError(f"step id {step_id!r} is empty or contains '|'")
 
 
 class Register(Protocol):
@@ -192,21 +198,61 @@ class App:
         return register
 
     def step(
-        self, *, name: str | None = None, version: str = "1", retry: RetryPolicy | None = None
+        self,
+        *,
+        name: str | None = None,
+        version: str = "1",
+        retry: RetryPolicy | None = None,
+        canonical: Callable[..., Any] | None = None,
     ) -> Register:
         """Register a step: a read, a computation or a model call, recorded once.
 
         Sync functions run on a thread, ``async def`` on the loop. Any exception is retried
         by ``retry`` (re-running a step is harmless), then recorded as failed.
+
+        Replay checks a step's arguments against the recorded ones. ``canonical``, called
+        with the same arguments, returns the JSON value checked instead: use it when the
+        arguments hold what changes on every execution (a framework's message ids and
+        timestamps), or are not JSON at all.
         """
 
         def register(fn: Callable[P, Any]) -> Durable[P, Any]:
             step_name = name or fn.__name__
-            d = StepDef(step_name, fn, version, retry or RetryPolicy(), inspect.signature(fn))
+            signature = inspect.signature(fn)
+            d = StepDef(step_name, fn, version, retry or RetryPolicy(), signature, canonical)
             self._registry.add_step(d)
             return Durable(d, fn)
 
         return cast(Register, register)
+
+    def call_step(
+        self,
+        name: str,
+        fn: Callable[..., Awaitable[R]] | Callable[..., R],
+        /,
+        *args: Any,
+        step_id: str | None = None,
+        canonical: Callable[..., Any] | None = None,
+        retry: RetryPolicy | None = None,
+        **kwargs: Any,
+    ) -> Coroutine[Any, Any, R]:
+        """Record one call of any callable as a step named ``name``, inside a workflow.
+
+        For code that wraps calls it does not own (an agent framework's model call): no
+        registration, and the same guarantees as a registered step. ``step_id``,
+        ``canonical`` and ``retry`` are those of :meth:`Durable.with_step_id` and
+        :meth:`step`.
+
+        Example::
+
+            reply = await app.call_step("llm", model.complete, prompt, step_id=turn_id)
+        """
+        tool = self._registry.tool_def(name, missing_ok=True)
+        check_name("step", name, {name: tool} if tool else {})
+        if step_id is not None:
+            check_step_id(step_id)
+        definition = StepDef(name, fn, "1", retry or RetryPolicy(), signature_of(fn), canonical)
+        return runtime.call_step(context.active(), definition, args, kwargs, step_id)
 
     def tool(
         self,
@@ -442,9 +488,7 @@ class App:
         run execute it again with the same idempotency key; ``failed`` fails the call (the
         workflow sees :class:`StepFailed`). The run becomes runnable (``queued``).
         """
-        await actions.resolve_effect(
-            self.engine, run_id, step_id, outcome, result=result, by=by
-        )
+        await actions.resolve_effect(self.engine, run_id, step_id, outcome, result=result, by=by)
         return await self.get_run_async(run_id)
 
     def resolve_effect(
@@ -608,4 +652,3 @@ def _secret_key(secret: str | bytes | None) -> bytes | None:
             "from being guessed"
         )
     return key
-

@@ -85,6 +85,9 @@ class StepDef:
     version: str
     retry: RetryPolicy
     signature: inspect.Signature
+    canonical: Callable[..., Any] | None = None
+    """Called with the step's arguments; its JSON value is hashed instead of them (to
+    leave out what changes on every execution: generated ids, timestamps)."""
 
 
 Classifier = Callable[[BaseException], FailureCategory | None]
@@ -130,6 +133,19 @@ def check_name(kind: str, name: str, taken: dict[str, Any]) -> None:
         raise ConfigurationError(f"{kind} name {name!r}: the 'durably.' prefix is reserved")
     if name in taken:
         raise ConfigurationError(f"{kind} {name!r} is registered twice; give one of them name=...")
+
+
+def signature_of(fn: Callable[..., Any]) -> inspect.Signature:
+    """``fn``'s signature, or ``(*args, **kwargs)`` for a callable that has none to read."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return inspect.Signature(
+            [
+                inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+                inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+            ]
+        )
 
 
 def bind_arguments(

@@ -16,6 +16,7 @@
     │   ├── NonDeterminismError     replayed workflow code called something else at a position
     │   ├── LeaseLostError          another worker owns the run now; this one must stop
     │   ├── CheckpointCorrupted     checksum mismatch and no verified fallback
+    │   ├── NotAwaited              the workflow returned leaving a call un-awaited
     │   └── BudgetExceeded          a run went over its budget (the run pauses with it)
     ├── StoreError                  the database, not the request
     │   ├── StoreUnavailable        the database cannot be reached or refused the transaction
@@ -27,10 +28,17 @@
     ├── ToolError                   raised BY a tool to state the failure category
     └── OutcomeUnknown              raised BY a tool: the request may have taken effect
 
+    RunStopped (a BaseException)    unwinds workflow code when its run stops here
+
 Each error carries the ids it is about as attributes (``run_id``, ``step_id``,
 ``idempotency_key``) and its message says what to do next. Catch a group to handle its
 kind: ``InputError`` is the caller's to fix (a 4xx), ``StoreError`` is worth a retry later,
 and a ``RunStopError`` means nothing more of that run may happen in this process.
+
+Inside a workflow a stop never arrives as a ``RunStopError``: it arrives as
+:class:`RunStopped`, which ``except Exception`` does not catch, so neither workflow code nor
+an agent framework that turns every exception into a message for the model can carry on
+after it.
 """
 
 from __future__ import annotations
@@ -114,6 +122,11 @@ class LeaseLostError(RunStopError):
 
 class CheckpointCorrupted(RunStopError):
     """A checkpoint failed its checksum and the journal could not be verified otherwise."""
+
+
+class NotAwaited(RunStopError):
+    """The workflow returned while a step or tool call it created was never awaited (a
+    missing ``await``): that call never happened, so the run pauses instead of completing."""
 
 
 class SchemaTooNew(StoreError):
@@ -203,3 +216,20 @@ class ToolError(DurablyError):
 
 class OutcomeUnknown(DurablyError):
     """Raise from a tool when the request may have reached the service but no answer came."""
+
+
+class RunStopped(BaseException):
+    """Unwinds workflow code because its run stops here: it paused, waits, was cancelled,
+    lost its lease, or replay found a divergence (``error`` says which, if any).
+
+    A ``BaseException``, like ``asyncio.CancelledError``: ``except Exception`` in workflow
+    or framework code cannot swallow it, and once it has been raised every later step or
+    tool call of the run raises it again instead of executing. Clean up in ``finally``;
+    never catch it. The run is then continued (or paused for a person) from what the store
+    holds.
+    """
+
+    def __init__(self, error: DurablyError | None = None) -> None:
+        super().__init__(str(error) if error is not None else "the run stops here")
+        self.error = error
+        """The ``RunStopError`` (or ``StoreError``) behind the stop, if it is an error."""

@@ -13,9 +13,10 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from durably import faults
 from durably.checkpoint import JournalState
@@ -25,6 +26,7 @@ from durably.errors import (
     InvalidTransition,
     LeaseLostError,
     NonDeterminismError,
+    RunStopped,
     StoreUnavailable,
 )
 from durably.status import PauseReason, RunStatus
@@ -47,17 +49,35 @@ if TYPE_CHECKING:
     from durably.engine import Engine
 
 log = logging.getLogger("durably")
+T = TypeVar("T")
 
 
-class Cancel(BaseException):
+class Cancel(RunStopped):
     """Unwinds a workflow whose cancellation was requested, at a call boundary."""
 
 
-class Suspend(BaseException):
-    """Unwinds a workflow whose run stopped here (paused or waiting); already committed.
+class Suspend(RunStopped):
+    """Unwinds a workflow whose run stops here: paused or waiting (already committed), its
+    lease or store lost (nothing more is written), or poisoned (the driver pauses it)."""
 
-    A BaseException so that a workflow's ``except Exception`` cannot swallow it.
-    """
+
+@dataclass
+class Scope:
+    """Where positional step ids are counted: the workflow's own sequence, or one branch of
+    :func:`durably.gather`, whose calls are numbered within the branch so that the order
+    branches reach their calls in (latency) does not change any id."""
+
+    owner: RunContext
+    prefix: str = ""
+    counters: Counter[str] = field(default_factory=Counter)
+    positions: int = 0
+
+    def enter(self) -> None:
+        """Make this the scope of the calls the current task makes from now on."""
+        _scope.set(self)
+
+
+_scope: ContextVar[Scope | None] = ContextVar("durably_scope", default=None)
 
 
 def error_dict(exc: BaseException) -> dict[str, Any]:
@@ -77,8 +97,8 @@ class RunContext:
     journal: JournalState
     steps: dict[str, StepRecord]
     operations: dict[str, OperationRecord]
-    counters: Counter[str] = field(default_factory=Counter)
-    positions: int = 0
+    root: Scope = field(init=False)
+    """The workflow's own sequence of positional calls (outside any gather branch)."""
     stopped: bool = False
     """Set when this execution must write nothing more: the lease is lost or the store
     failed. The store, read again by whoever continues the run, is then the truth."""
@@ -89,9 +109,14 @@ class RunContext:
     poisoned: DurablyError | None = None
     """A divergence found in this execution (non-determinism, idempotency conflict): the
     run pauses with it even if workflow code caught the exception."""
-    by_position: dict[int, StepRecord] = field(init=False)
+    by_position: dict[tuple[str, int], StepRecord] = field(init=False)
+    """Recorded positional calls by (scope prefix, position); calls with an explicit step
+    id are recorded at position 0 and matched by their id alone."""
     reached: list[str] = field(default_factory=list)
     """Step ids allocated in this execution, in order."""
+    unawaited: dict[str, tuple[str, Coroutine[Any, Any, Any]]] = field(default_factory=dict)
+    """Calls created (their step id allocated) but not awaited yet, by step id: one left
+    at the end of the workflow is a missing ``await``, and its effect never happened."""
     inflight: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     """Tool executions between their call and their recorded outcome."""
     signals: list[Signal] = field(default_factory=list)
@@ -111,6 +136,8 @@ class RunContext:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this run's commits, so that checkpoints follow the order results commit in
     (parallel calls would otherwise race on separate connections)."""
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once this execution released the run (see :meth:`release`)."""
     lease_deadline: float = float("inf")
     """``time.monotonic()`` by which the lease has run out unless renewed: the store fences
     late writes, but only this process can stop itself from sending late."""
@@ -119,14 +146,34 @@ class RunContext:
     run from another holder whose sends may still be arriving."""
 
     def __post_init__(self) -> None:
-        self.by_position = {s.position: s for s in self.steps.values()}
+        self.root = Scope(self)
+        self.by_position = {
+            (_prefix(s.step_id, s.name), s.position): s
+            for s in self.steps.values()
+            if s.position > 0
+        }
+
+    def scope(self) -> Scope:
+        scope = _scope.get()
+        return scope if scope is not None and scope.owner is self else self.root
 
     def allocate(self, name: str, explicit: str | None) -> tuple[str, int]:
-        """The deterministic step id of the next call: ``<name>#<n>`` or the explicit one."""
-        if self.stopped:
-            raise Suspend
-        self.counters[name] += 1
-        step_id = explicit or f"{name}#{self.counters[name]}"
+        """The deterministic step id of the next call and its position in its scope.
+
+        Without an explicit id the call is ``<scope><name>#<n>``, numbered in the order the
+        scope makes its calls, and replay checks it by position. An explicit id (a
+        framework's tool call id) is matched by that id alone, at position 0, so calls made
+        concurrently may be replayed in any order.
+        """
+        self.check_running()
+        if explicit is not None:
+            step_id, position = explicit, 0
+        else:
+            scope = self.scope()
+            scope.counters[name] += 1
+            scope.positions += 1
+            step_id = f"{scope.prefix}{name}#{scope.counters[name]}"
+            position = scope.positions
         if step_id in self.reached:
             raise self.poison(
                 NonDeterminismError(
@@ -136,9 +183,40 @@ class RunContext:
                     step_id=step_id,
                 )
             )
-        self.positions += 1
         self.reached.append(step_id)
-        return step_id, self.positions
+        return step_id, position
+
+    def created(
+        self, step_id: str, name: str, call: Coroutine[Any, Any, T]
+    ) -> Coroutine[Any, Any, T]:
+        """``call``, the coroutine of the call allocated at ``step_id``, handed to workflow
+        code: it counts as un-awaited until it starts (:meth:`started`)."""
+        self.unawaited[step_id] = (name, call)
+        return call
+
+    def started(self, step_id: str) -> None:
+        self.unawaited.pop(step_id, None)
+
+    def drop_unawaited(self) -> list[str]:
+        """Close the calls never awaited (so none warns later) and name them."""
+        names = [f"{name} at {step_id}" for step_id, (name, _) in self.unawaited.items()]
+        for _, call in self.unawaited.values():
+            call.close()
+        self.unawaited.clear()
+        return names
+
+    def branches(self, count: int) -> list[Scope]:
+        """The scopes of a new :func:`durably.gather`'s branches, under the current scope."""
+        parent = self.scope()
+        parent.counters["durably.gather"] += 1
+        gather = f"{parent.prefix}gather#{parent.counters['durably.gather']}"
+        return [Scope(self, f"{gather}.{i}/") for i in range(count)]
+
+    def check_running(self) -> None:
+        """Refuse any new call once the run must stop: whatever workflow or framework code
+        did with the first stop signal, nothing more of the run executes here."""
+        if self.stopped or self.poisoned is not None:
+            raise Suspend(self.poisoned or self.lost)
 
     async def _outlast(self, t: Transition) -> Committed:
         """Commit ``t``, retrying through a store outage for as long as the lease lasts.
@@ -216,10 +294,12 @@ class RunContext:
         for it."""
         if self.closing and (call is None or call not in self.inflight):
             raise Suspend
+        if self.poisoned is not None:
+            raise Suspend(self.poisoned)
         try:
             self.check_lease()
         except DurablyError as exc:
-            raise Suspend from exc
+            raise Suspend(exc) from exc
 
     def stop_writing(self, reason: DurablyError) -> None:
         self.stopped = True
@@ -227,10 +307,36 @@ class RunContext:
             self.lost = reason
             log.warning("run %s: stopped (%s)", self.run.run_id, reason)
 
-    def poison(self, error: DurablyError) -> DurablyError:
+    def poison(self, error: DurablyError) -> Suspend:
+        """Record a divergence the run must pause with, and the stop to raise for it: no
+        ``except Exception`` can catch it, and no later call of the run executes."""
         if self.poisoned is None:
             self.poisoned = error
-        return error
+        stop = Suspend(error)
+        stop.__cause__ = error
+        return stop
+
+    async def release(
+        self, record: Callable[[], Awaitable[object]], *, exclude: int | None = None
+    ) -> NoReturn:
+        """End this execution here: once the run's in-flight calls have landed, ``record``
+        commits the transition that releases the run (paused, waiting, released); then the
+        workflow unwinds. Whatever ``record`` does, the execution is over afterwards, so the
+        driver, unwound by another branch meanwhile, can wait for this one to finish."""
+        try:
+            await self.quiesce(exclude=exclude)
+            await record()
+        finally:
+            self.stopped = True
+            self.ended.set()
+        raise Suspend
+
+    async def wind_up(self) -> None:
+        """Wait for a branch that is releasing the run (:meth:`release`) to finish: other
+        branches unwind at once (no call may start), and the run must not be handed back
+        before its release is recorded."""
+        if self.closing and not self.stopped:
+            await self.ended.wait()
 
     async def quiesce(self, *, exclude: int | None = None, closing: bool = True) -> None:
         """Wait until the run's other in-flight tool executions have recorded their outcome.
@@ -272,14 +378,10 @@ class RunContext:
         if self.cancel_requested and not self.cancelling:
             raise Cancel
         if self.draining is not None and self.draining.is_set() and not self.stopped:
-            await self.quiesce()
-            await self.commit(
-                Transition(
-                    events=[EventWrite("run_released", None, {"reason": "shutdown"})], release=True
-                )
+            released = Transition(
+                events=[EventWrite("run_released", None, {"reason": "shutdown"})], release=True
             )
-            self.stopped = True
-            raise Suspend
+            await self.release(lambda: self.commit(released))
 
     async def commit(
         self,
@@ -314,7 +416,7 @@ class RunContext:
                 )
             except (LeaseLostError, StoreUnavailable) as exc:
                 self.stop_writing(exc)
-                raise
+                raise Suspend(exc) from exc
             except BaseException:
                 self.journal = before  # refused: the journal stays as the store has it
                 raise
@@ -326,11 +428,12 @@ class RunContext:
         return committed
 
     def replayed(self, step_id: str, position: int, kind: str, name: str, ih: str) -> None:
-        """Raise if the journal holds a different call at this position or step id."""
+        """Raise if the journal holds a different call at this step id, or (for a
+        positional call) at this position of its scope."""
         step = self.steps.get(step_id)
         if step is None:
-            other = self.by_position.get(position)
-            if other is not None:
+            other = self.by_position.get((_prefix(step_id, name), position))
+            if position and other is not None:
                 raise self.poison(
                     NonDeterminismError(
                         f"call #{position} of this run was recorded as {other.kind} "
@@ -374,17 +477,22 @@ class RunContext:
         over = self.engine.registry.workflow_def(self.run.workflow).budget.exceeded(self.usage)
         if over is None:
             return
-        await self.quiesce()
         error = BudgetExceeded(
             f"run {self.run.run_id} is over its budget ({over}); raise the workflow's budget "
             "and resume it, or cancel it",
             run_id=self.run.run_id,
         )
-        await self.commit(
-            lambda: ending(RunStatus.PAUSED, PauseReason.BUDGET_EXCEEDED, error, self)
+        await self.release(
+            lambda: self.commit(
+                lambda: ending(RunStatus.PAUSED, PauseReason.BUDGET_EXCEEDED, error, self)
+            )
         )
-        self.stopped = True
-        raise Suspend
+
+
+def _prefix(step_id: str, name: str) -> str:
+    """The scope prefix of a positional call's step id ``<prefix><name>#<n>``."""
+    numbered = step_id.rpartition("#")[0]
+    return numbered[: -len(name)] if numbered.endswith(name) else numbered
 
 
 def ending(

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from durably import context, faults
 from durably.checkpoint import JournalState, SettledResult, verify_journal
@@ -23,6 +23,7 @@ from durably.errors import (
     IdempotencyConflict,
     LeaseLostError,
     NonDeterminismError,
+    NotAwaited,
     NotJSONSerializable,
     PayloadTooLarge,
     StepFailed,
@@ -56,6 +57,7 @@ _PAUSE_REASONS: dict[type[BaseException], PauseReason] = {
     NonDeterminismError: PauseReason.NON_DETERMINISM,
     IdempotencyConflict: PauseReason.IDEMPOTENCY_CONFLICT,
     CheckpointCorrupted: PauseReason.CHECKPOINT_CORRUPTED,
+    NotAwaited: PauseReason.CALL_NOT_AWAITED,
 }
 
 
@@ -70,10 +72,15 @@ def call_step(
     for calls gathered in parallel) and return the coroutine that runs or replays it."""
     step_id, position = ctx.allocate(sdef.name, explicit)
     ctx.count("steps")
-    arguments = bind_arguments(sdef.signature, sdef.name, args, kwargs)
+    if sdef.canonical is not None:
+        arguments = {"canonical": sdef.canonical(*args, **kwargs)}
+    else:
+        arguments = bind_arguments(sdef.signature, sdef.name, args, kwargs)
     ih = input_hash(sdef.name, sdef.version, arguments)
     ctx.replayed(step_id, position, "step", sdef.name, ih)
-    return _run_step(ctx, sdef, args, kwargs, step_id, position, ih)
+    return ctx.created(
+        step_id, sdef.name, _run_step(ctx, sdef, args, kwargs, step_id, position, ih)
+    )
 
 
 async def _run_step(
@@ -85,6 +92,7 @@ async def _run_step(
     position: int,
     ih: str,
 ) -> Any:
+    ctx.started(step_id)
     recorded = ctx.steps.get(step_id)
     if recorded is not None and recorded.status is StepStatus.SUCCEEDED:
         return json.loads(recorded.output_json or "null")
@@ -92,37 +100,37 @@ async def _run_step(
         raise _step_failed(ctx, step_id, recorded.error or {})
     await ctx.boundary()
     await ctx.check_budget()
+    in_flight = object()  # alive until the step returns: its id marks it in flight
     attempt = 0
     while True:
         attempt += 1
         # A step another worker may have recorded already is not run again (model calls
         # cost money), nor one whose result this process could no longer record.
         ctx.hold_lease()
-        try:
-            value = await invoke(sdef.fn, *args, **kwargs)
-            break
-        except Exception as exc:
-            if attempt < sdef.retry.max_attempts:
+        # In flight from its start to its record: a parallel branch that releases the run
+        # waits for it, rather than let a finished step (a paid model call) run again.
+        async with ctx.in_flight(id(in_flight)):
+            try:
+                value = await invoke(sdef.fn, *args, **kwargs)
+            except Exception as exc:
+                if attempt >= sdef.retry.max_attempts:
+                    await _record_step_failure(ctx, sdef, step_id, position, ih, attempt, exc)
                 log.info("step %s attempt %d failed (%r); retrying", step_id, attempt, exc)
-                await asyncio.sleep(sdef.retry.delay_s(attempt))
-                continue
-            error = error_dict(exc)
-            await ctx.commit(
-                Transition(
-                    events=[EventWrite("step_failed", step_id, {"name": sdef.name, **error})],
-                    step=StepWrite(
-                        step_id,
-                        position,
-                        "step",
-                        sdef.name,
-                        StepStatus.FAILED,
-                        ih,
-                        error=error,
-                        attempts=attempt,
-                    ),
-                )
-            )
-            raise _step_failed(ctx, step_id, error) from exc
+            else:
+                await _record_step(ctx, sdef, step_id, position, ih, attempt, value)
+                return value
+        await asyncio.sleep(sdef.retry.delay_s(attempt))
+
+
+async def _record_step(
+    ctx: RunContext,
+    sdef: StepDef,
+    step_id: str,
+    position: int,
+    ih: str,
+    attempt: int,
+    value: Any,
+) -> None:
     output_json = canonical_json(
         value, what=f"the result of step {step_id}", limit=ctx.engine.max_payload_bytes
     )
@@ -153,7 +161,34 @@ async def _run_step(
     # Result, event and checkpoint are one transaction: checkpoint.after_write (fired by
     # the commit) and this window are the same moment.
     faults.crash_point("step.after_record")
-    return value
+
+
+async def _record_step_failure(
+    ctx: RunContext,
+    sdef: StepDef,
+    step_id: str,
+    position: int,
+    ih: str,
+    attempt: int,
+    exc: Exception,
+) -> NoReturn:
+    error = error_dict(exc)
+    await ctx.commit(
+        Transition(
+            events=[EventWrite("step_failed", step_id, {"name": sdef.name, **error})],
+            step=StepWrite(
+                step_id,
+                position,
+                "step",
+                sdef.name,
+                StepStatus.FAILED,
+                ih,
+                error=error,
+                attempts=attempt,
+            ),
+        )
+    )
+    raise _step_failed(ctx, step_id, error) from exc
 
 
 def _step_failed(ctx: RunContext, step_id: str, error: dict[str, Any]) -> StepFailed:
@@ -332,17 +367,22 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
     try:
         args = ctx.run.input.get("args", [])
         kwargs = ctx.run.input.get("kwargs", {})
+        outcome: BaseException | None = None
         try:
             result = await wf.fn(*args, **kwargs)
-        except Suspend:
-            return
         except Cancel:
             await _cancel(ctx)
             return
+        except Suspend:
+            await ctx.wind_up()
+            if ctx.poisoned is None:
+                return
+            # A divergence: paused below once the calls still in flight have landed.
         except Exception as exc:
-            outcome: BaseException | None = exc
+            outcome = exc
         else:
-            outcome = None
+            if ctx.unawaited:
+                outcome = _not_awaited(ctx, ctx.drop_unawaited())
         # Parallel calls may still be executing: record their outcomes before the run ends.
         await ctx.quiesce()
         if ctx.stopped:
@@ -379,8 +419,17 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
     except Suspend:
         return
     finally:
+        ctx.drop_unawaited()  # left by a workflow that raised: closed, not warned about
         context._run.reset(token)
         heartbeat.cancel()
+
+
+def _not_awaited(ctx: RunContext, calls: list[str]) -> NotAwaited:
+    return NotAwaited(
+        f"the workflow returned without awaiting {', '.join(calls)}: never awaited, the call "
+        "never happened. Add the missing `await`, deploy, then resume the run",
+        run_id=ctx.run.run_id,
+    )
 
 
 async def _finish(

@@ -22,7 +22,7 @@ from durably.errors import (
     NonDeterminismError,
     WaitTimeout,
 )
-from durably.execution import RunContext, Suspend
+from durably.execution import RunContext
 from durably.keys import canonical_json, input_hash, sha256_hex
 from durably.status import RunStatus, StepStatus
 from durably.store.base import (
@@ -117,36 +117,37 @@ class _Wait:
     ) -> None:
         """Record the wait, release the run, and unwind the workflow until it is due."""
         ctx = self.ctx
-        await ctx.quiesce()
         waiting = {**waiting_for, "step_id": self.step_id}
-        await ctx.commit(
-            lambda: Transition(
-                events=[EventWrite("wait_started", self.step_id, waiting)],
-                step=StepWrite(
-                    self.step_id,
-                    self.position,
-                    "step",
-                    self.name,
-                    StepStatus.PENDING,
-                    self.input_hash,
-                    output_json=canonical_json(pending),
-                ),
-                run=RunUpdate(
-                    status,
-                    waiting_for=waiting,
-                    available_at=FAR_FUTURE if wake_at is None else wake_at,
-                ),
-                checkpoint=ctx.journal.draft(status=status, current_step=self.step_id),
-                release=True,
-                wake_on_signal=wake_on_signal,
-                request_approval=request,
+
+        async def suspend() -> None:
+            await ctx.commit(
+                lambda: Transition(
+                    events=[EventWrite("wait_started", self.step_id, waiting)],
+                    step=StepWrite(
+                        self.step_id,
+                        self.position,
+                        "step",
+                        self.name,
+                        StepStatus.PENDING,
+                        self.input_hash,
+                        output_json=canonical_json(pending),
+                    ),
+                    run=RunUpdate(
+                        status,
+                        waiting_for=waiting,
+                        available_at=FAR_FUTURE if wake_at is None else wake_at,
+                    ),
+                    checkpoint=ctx.journal.draft(status=status, current_step=self.step_id),
+                    release=True,
+                    wake_on_signal=wake_on_signal,
+                    request_approval=request,
+                )
             )
-        )
-        if request is not None:
-            # The request and the suspension are one transaction: this is the same moment.
-            faults.crash_point("approval.after_request")
-        ctx.stopped = True
-        raise Suspend
+            if request is not None:
+                # The request and the suspension are one transaction: this is the same moment.
+                faults.crash_point("approval.after_request")
+
+        await ctx.release(suspend)
 
 
 async def sleep(duration: float | timedelta) -> None:

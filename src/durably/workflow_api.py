@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Awaitable
+from typing import Any
 
 from durably import context, effect
 from durably.errors import InvalidInput
+from durably.execution import Scope
 
 
 async def charge(*, tokens: int = 0, cost: float = 0.0) -> None:
@@ -42,3 +46,34 @@ async def compensate(*step_ids: str) -> list[str]:
             raise
     """
     return await effect.compensate(context.active(), step_ids)
+
+
+async def gather(*branches: Awaitable[Any], return_exceptions: bool = False) -> list[Any]:
+    """``asyncio.gather`` for workflow code whose branches each make several durable calls.
+
+    A step or tool call without an explicit step id is numbered in the order the workflow
+    makes its calls; branches running concurrently would reach their calls in an order that
+    depends on latency, and a replay in another order would pause as non-determinism. Each
+    branch here numbers its calls on its own (``gather#<n>.<branch>/<name>#<k>``), so the
+    ids, and the idempotency keys derived from them, are the same however the branches
+    interleave.
+
+    Example::
+
+        async def review(doc: str) -> str:
+            summary = await summarize(doc)
+            return await critique(summary)
+
+        reviews = await durably.gather(*(review(d) for d in docs))
+    """
+    ctx = context.active()
+    scopes = ctx.branches(len(branches))
+    return await asyncio.gather(
+        *(_in_scope(scope, branch) for scope, branch in zip(scopes, branches, strict=True)),
+        return_exceptions=return_exceptions,
+    )
+
+
+async def _in_scope(scope: Scope, branch: Awaitable[Any]) -> Any:
+    scope.enter()  # this branch's task has its own copy of the context
+    return await branch

@@ -111,6 +111,7 @@ class Harness:
             "SHOP_URL": self.shop.url,
             "SHOP_TIMEOUT": str(self.shop_timeout_s),
             "CRASH_LEASE_TTL": str(self.lease_ttl_s),
+            "CRASH_ROLE": args[0],
         }
         if crash_at is not None:
             env["DURABLY_CRASH_AT"] = crash_at

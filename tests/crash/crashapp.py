@@ -18,13 +18,19 @@ different kind of external service:
 
 Workflows ``<kind>_once`` run a step, the tool once, a step, and return the tool's result;
 ``<kind>_twice`` call the tool twice (campaigns ``<campaign>-1`` and ``<campaign>-2``).
+``<kind>_parallel`` make a step, then three calls of the tool at once, each under the step id
+``call_<i>`` (as an agent framework passes the model's tool call ids; campaigns
+``<campaign>-<i>``), each started after a random latency drawn from ``seed`` and the
+process's role (``$CRASH_ROLE``), so a recovery reaches them in another order.
 Configuration: ``$DURABLY_DATABASE_URL``, ``$SHOP_URL``, ``$SHOP_TIMEOUT`` (the tools' HTTP
 client timeout, seconds) and ``$CRASH_LEASE_TTL`` (seconds).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
@@ -169,8 +175,28 @@ def _twice(tool: durably.Durable[..., dict[str, Any]]) -> Callable[..., Awaitabl
     return twice
 
 
+def _parallel(tool: durably.Durable[..., dict[str, Any]]) -> Callable[..., Awaitable[Any]]:
+    async def parallel(customer: str, campaign: str, seed: int) -> list[dict[str, Any]]:
+        await begin(customer, campaign)
+        latency = random.Random(f"{seed}:{os.environ.get('CRASH_ROLE')}")
+        delays = [latency.random() * 0.05 for _ in range(PARALLEL_CALLS)]
+
+        async def one(i: int) -> dict[str, Any]:
+            await asyncio.sleep(delays[i])
+            call = tool.with_step_id(f"call_{i}")
+            return await call(customer=customer, campaign=f"{campaign}-{i}")
+
+        effects = await asyncio.gather(*(one(i) for i in range(PARALLEL_CALLS)))
+        await finish(effects[0])
+        return effects
+
+    return parallel
+
+
+PARALLEL_CALLS = 3
 for _kind, _tool in TOOLS.items():
     app.workflow(name=f"{_kind}_once")(_once(_tool))
     app.workflow(name=f"{_kind}_twice")(_twice(_tool))
+    app.workflow(name=f"{_kind}_parallel")(_parallel(_tool))
 app.workflow(name="approved_once")(_once(approved_tool))
 app.workflow(name="garbled_once")(_once(garbled_tool))

@@ -10,7 +10,6 @@ from durably.effect.core import EffectCore
 from durably.errors import (
     ApprovalRejected,
 )
-from durably.execution import Suspend
 from durably.keys import (
     plain_json,
 )
@@ -92,7 +91,6 @@ class Approving(EffectCore):
     ) -> None:
         """Suspend in ``waiting_approval`` (after recording a new request, if asked)."""
         ctx = self.ctx
-        await ctx.quiesce(exclude=id(self))
         request = None
         if new_request:
             request = ApprovalRequest(
@@ -117,27 +115,29 @@ class Approving(EffectCore):
             "arguments": self.stored_arguments,
             "expires_at": expires_at,
         }
-        await ctx.commit(
-            lambda: Transition(
-                events=[
-                    EventWrite(
-                        "approval_requested" if request else "approval_waiting",
-                        self.step_id,
-                        {"approval_id": approval_id, "expires_at": expires_at},
-                    )
-                ],
-                step=self._step(StepStatus.WAITING_APPROVAL),
-                run=RunUpdate(
-                    RunStatus.WAITING_APPROVAL, waiting_for=waiting, available_at=expires_at
-                ),
-                checkpoint=ctx.journal.draft(
-                    status=RunStatus.WAITING_APPROVAL, current_step=self.step_id
-                ),
-                release=True,
-                request_approval=request,
+
+        async def suspend() -> None:
+            await ctx.commit(
+                lambda: Transition(
+                    events=[
+                        EventWrite(
+                            "approval_requested" if request else "approval_waiting",
+                            self.step_id,
+                            {"approval_id": approval_id, "expires_at": expires_at},
+                        )
+                    ],
+                    step=self._step(StepStatus.WAITING_APPROVAL),
+                    run=RunUpdate(
+                        RunStatus.WAITING_APPROVAL, waiting_for=waiting, available_at=expires_at
+                    ),
+                    checkpoint=ctx.journal.draft(
+                        status=RunStatus.WAITING_APPROVAL, current_step=self.step_id
+                    ),
+                    release=True,
+                    request_approval=request,
+                )
             )
-        )
-        # The request and the suspension are one transaction: this is the same moment.
-        faults.crash_point("approval.after_request")
-        ctx.stopped = True
-        raise Suspend
+            # The request and the suspension are one transaction: this is the same moment.
+            faults.crash_point("approval.after_request")
+
+        await ctx.release(suspend, exclude=id(self))

@@ -42,6 +42,7 @@ class Effect(Reconciling, Approving, Recording):
     """One tool call inside a run, driven through the ledger until it settles."""
 
     async def settle(self) -> Any:
+        self.ctx.started(self.step_id)
         if self.op is None:
             # Only a brand-new call stops for a cancel, a shutdown or the budget: an effect
             # already under way is settled first (reconciled if need be), never abandoned.

@@ -16,7 +16,7 @@ from durably.errors import (
     PayloadTooLarge,
     ToolError,
 )
-from durably.execution import Suspend, error_dict
+from durably.execution import error_dict
 from durably.keys import (
     canonical_json,
     sha256_hex,
@@ -150,7 +150,6 @@ class Recording(EffectCore):
         service's real outcome. Raising in the workflow instead would let it fail the run
         for good, or let a framework swallow the error and go on without the result."""
         ctx = self.ctx
-        await ctx.quiesce(exclude=id(self))
         reason = PauseReason.RESULT_NOT_STORABLE
         paused = {
             "type": "EffectPaused",
@@ -165,25 +164,30 @@ class Recording(EffectCore):
         run = RunUpdate(
             RunStatus.PAUSED, status_reason=reason.value, error=paused, waiting_for=waiting
         )
-        if record:
-            await self._apply(
-                self._write(OperationStatus.SUCCEEDED, error=error, failure_category=None),
-                self._step(StepStatus.SUCCEEDED, error=error),
-                [self._event("effect_succeeded", output_hash=None, result_refused=error), *events],
-                run=run,
-                release=True,
-            )
-        else:
-            await ctx.commit(
-                lambda: Transition(
-                    events=events,
+
+        async def pause() -> None:
+            if record:
+                await self._apply(
+                    self._write(OperationStatus.SUCCEEDED, error=error, failure_category=None),
+                    self._step(StepStatus.SUCCEEDED, error=error),
+                    [
+                        self._event("effect_succeeded", output_hash=None, result_refused=error),
+                        *events,
+                    ],
                     run=run,
-                    checkpoint=ctx.journal.draft(status=RunStatus.PAUSED, current_step=None),
                     release=True,
                 )
-            )
-        ctx.stopped = True
-        raise Suspend
+            else:
+                await ctx.commit(
+                    lambda: Transition(
+                        events=events,
+                        run=run,
+                        checkpoint=ctx.journal.draft(status=RunStatus.PAUSED, current_step=None),
+                        release=True,
+                    )
+                )
+
+        await ctx.release(pause, exclude=id(self))
 
     async def _record_failure(self, exc: BaseException) -> None:
         category = classify(self.tool, exc)
@@ -220,8 +224,6 @@ class Recording(EffectCore):
     async def _pause(self, detail: str = "") -> None:
         op = self.op
         assert op is not None
-        # Parallel calls of this run record their outcomes before the run is released.
-        await self.ctx.quiesce(exclude=id(self))
         permission = op.failure_category == FailureCategory.PERMISSION
         reason = PauseReason.PERMISSION if permission else PauseReason.EFFECT_STATE_UNKNOWN
         status = op.status if permission else OperationStatus.UNKNOWN
@@ -238,14 +240,16 @@ class Recording(EffectCore):
                 "|--failed`"
             ),
         }
-        await self._apply(
-            self._write(status, error=op.error or error),
-            self._step(StepStatus(status.value), error=op.error or error),
-            [self._event("run_paused", reason=reason.value)],
-            run=RunUpdate(
-                RunStatus.PAUSED, status_reason=reason.value, error=error, waiting_for=waiting
+        # Parallel calls of this run record their outcomes before the run is released.
+        await self.ctx.release(
+            lambda: self._apply(
+                self._write(status, error=op.error or error),
+                self._step(StepStatus(status.value), error=op.error or error),
+                [self._event("run_paused", reason=reason.value)],
+                run=RunUpdate(
+                    RunStatus.PAUSED, status_reason=reason.value, error=error, waiting_for=waiting
+                ),
+                release=True,
             ),
-            release=True,
+            exclude=id(self),
         )
-        self.ctx.stopped = True
-        raise Suspend
