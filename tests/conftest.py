@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -142,6 +143,21 @@ def execute_sql(database_url: str, sql: str, params: tuple[object, ...] = ()) ->
 
     with psycopg.connect(database_url, autocommit=True) as pg:
         pg.execute(sql.replace("?", "%s").encode(), params)
+
+
+def fetch_sql(
+    database_url: str, sql: str, params: tuple[object, ...] = ()
+) -> list[tuple[Any, ...]]:
+    """Read the database behind durably's back (what it holds, not what it reports)."""
+    if database_url.startswith("sqlite:"):
+        import sqlite3
+
+        with contextlib.closing(sqlite3.connect(database_url.removeprefix("sqlite:///"))) as conn:
+            return list(conn.execute(sql, params).fetchall())
+    import psycopg
+
+    with psycopg.connect(database_url, autocommit=True) as pg:
+        return list(pg.execute(sql.replace("?", "%s").encode(), params).fetchall())
 
 
 @pytest.fixture

@@ -271,13 +271,17 @@ class App:
         requires_approval: bool = False,
         approval_ttl: timedelta = timedelta(hours=24),
         authorize: Callable[[Operation], Any] | None = None,
+        reconcile_for: timedelta = timedelta(minutes=15),
     ) -> Register:
         """Register a tool whose call has an external side effect (the effect ledger).
 
         ``idempotent=True``: the service deduplicates by ``durably.idempotency_key()``, so an
         unknown outcome is settled by re-sending the same key. ``reconcile=fn``: asked what
-        happened when the outcome is unknown. With neither, an unknown outcome pauses the run
-        for a person. ``timeout`` bounds one execution; a timeout is an unknown outcome.
+        happened when the outcome is unknown; while it answers ``running`` or raises (the
+        lookup service blinked), it is asked again on a durable timer with backoff, the run
+        released meanwhile, for ``reconcile_for`` before the run pauses for a person. With
+        neither, an unknown outcome pauses the run for a person. ``timeout`` bounds one
+        execution; a timeout is an unknown outcome.
         ``requires_approval``: each call first waits for a person's approval bound to its
         exact input, key and plan version, valid ``approval_ttl`` and usable once.
         ``authorize=fn``: asked right before every execution (also after a long wait); a
@@ -329,6 +333,7 @@ class App:
                 requires_approval=requires_approval,
                 approval_ttl=approval_ttl,
                 authorize=authorize,
+                reconcile_for=reconcile_for,
             )
             self._registry.add_tool(d)
             return Durable(d, fn)

@@ -112,6 +112,7 @@ class ToolDef:
     requires_approval: bool = False
     approval_ttl: timedelta = timedelta(hours=24)
     authorize: Callable[[Operation], Any] | None = None
+    reconcile_for: timedelta = timedelta(minutes=15)
 
     @property
     def can_reconcile(self) -> bool:

@@ -223,10 +223,11 @@ def test_a_pause_and_an_operators_resume_keep_the_senders_window(make_app: MakeA
     def find(op: durably.Operation) -> durably.Reconciliation:
         asks.append(op.idempotency_key)
         if len(asks) == 1:
-            raise ConnectionError("the lookup service blinked")  # unresolved: the run pauses
+            # Asked again later, but with no horizon left (reconcile_for=0): the run pauses.
+            raise ConnectionError("the lookup service blinked")
         return shop.find(op)
 
-    @app.tool(reconcile=find)
+    @app.tool(reconcile=find, reconcile_for=timedelta(0))
     async def issue_coupon(customer: str) -> dict[str, str]:
         if shop.post(customer):
             frozen(LEASE.total_seconds() * 2.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -13,7 +14,7 @@ import pytest
 
 import durably
 from durably import FailureCategory, Reconciliation, RetryPolicy, RunStatus
-from tests.conftest import execute_sql
+from tests.conftest import execute_sql, fetch_sql
 
 MakeApp = Callable[..., durably.App]
 FAST = RetryPolicy(max_attempts=3, initial_interval=timedelta(milliseconds=1))
@@ -739,7 +740,8 @@ def test_a_replan_racing_a_call_pauses_instead_of_repeating_it(make_app: MakeApp
 
 
 def test_every_reconciliation_answer(make_app: MakeApp) -> None:
-    """running is asked again, failed is final, unresolved and a raising reconcile pause."""
+    """running is asked again, failed is final, unresolved pauses, and so does a raising
+    reconcile once its horizon (here none) has passed."""
     app = make_app()
     answers: dict[str, list[Reconciliation]] = {
         "running_then_done": [Reconciliation.running(), Reconciliation.succeeded("ok")],
@@ -755,7 +757,7 @@ def test_every_reconciliation_answer(make_app: MakeApp) -> None:
             raise RuntimeError("lookup service down")
         return answers[which][min(asked[which], len(answers[which])) - 1]
 
-    @app.tool(reconcile=reconcile, retry=FAST)
+    @app.tool(reconcile=reconcile, retry=FAST, reconcile_for=timedelta(0))
     async def act(which: str) -> str:
         raise TimeoutError
 
@@ -774,3 +776,92 @@ def test_every_reconciliation_answer(make_app: MakeApp) -> None:
         assert run.status is RunStatus.PAUSED, which
         assert run.status_reason == "effect_state_unknown"
         assert app.describe(run.run_id)["effects"][0]["status"] == "unknown"
+
+
+def test_reconciliation_keeps_asking_without_holding_the_run(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """A lookup service that blinks, then answers "running", then knows: the run is
+    released between asks (a durable timer, no lease) and completes without a person."""
+    app = make_app()
+    answers = iter(
+        [RuntimeError("lookup service down"), Reconciliation.running(), Reconciliation.running()]
+        + [Reconciliation.running()] * 4  # one ask's polls
+        + [Reconciliation.succeeded({"coupon": "C-1"})]
+    )
+    sent = Counter[str]()
+
+    def find(op: durably.Operation) -> Reconciliation:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    @app.tool(reconcile=find, retry=RetryPolicy(initial_interval=timedelta(milliseconds=20)))
+    def issue(customer: str) -> dict[str, Any]:
+        sent[customer] += 1
+        raise TimeoutError("no answer")
+
+    @app.workflow()
+    async def wf() -> Any:
+        return await issue("ann")
+
+    run = app.run(wf)
+    asks = 0
+    while run.status is RunStatus.RECONCILING:
+        asks += 1
+        assert run.waiting_for is not None
+        assert run.waiting_for["kind"] == "reconcile"
+        held = fetch_sql(
+            database_url, "SELECT lease_owner FROM durably_runs WHERE run_id = ?", (run.run_id,)
+        )
+        assert held == [(None,)], "nobody holds the run while it waits to ask"
+        time.sleep(max(float(run.waiting_for["retry_at"]) - time.time(), 0) + 0.05)
+        assert app.worker().run(until_idle=True) == 1
+        run = app.get_run(run.run_id)
+    assert run.status is RunStatus.COMPLETED, run.error
+    assert run.result == {"coupon": "C-1"}
+    assert asks == 2  # the raise, then an ask whose polls all said "running"
+    assert sent == Counter(ann=1), "asked, never sent again"
+    later = [e for e in app.events(run.run_id) if e.type == "effect_reconcile_later"]
+    assert [e.payload["asks"] for e in later] == [1, 2]
+
+
+def test_reconciliation_pauses_after_its_horizon_and_resume_asks_again(
+    make_app: MakeApp,
+) -> None:
+    app = make_app()
+    knows = {"v": False}
+
+    def find(op: durably.Operation) -> Reconciliation:
+        if not knows["v"]:
+            raise ConnectionRefusedError("lookup service down")
+        return Reconciliation.succeeded("done")
+
+    @app.tool(
+        reconcile=find,
+        retry=RetryPolicy(initial_interval=timedelta(milliseconds=50)),
+        reconcile_for=timedelta(milliseconds=300),
+    )
+    def act() -> str:
+        raise TimeoutError("no answer")
+
+    @app.workflow()
+    async def wf() -> str:
+        return await act()
+
+    run = app.run(wf)
+    deadline = time.monotonic() + 10
+    while run.status is RunStatus.RECONCILING and time.monotonic() < deadline:
+        time.sleep(0.06)
+        app.worker().run(until_idle=True)
+        run = app.get_run(run.run_id)
+    assert run.status is RunStatus.PAUSED
+    assert run.status_reason == "effect_state_unknown"
+    assert run.error is not None
+    assert "could not say whether it happened" in run.error["message"]
+    knows["v"] = True
+    done = app.resume(run.run_id)  # a new horizon: asked again at once
+    assert done.status is RunStatus.COMPLETED, done.error
+    assert done.result == "done"
+

@@ -18,6 +18,8 @@ log = logging.getLogger("durably")
 
 
 RECONCILE_POLLS = 5
+_ASKING = ("reconciling_since", "asks", "last_answer")
+"""What the operation's error records of a reconciliation that asks again later."""
 
 
 class Reconciling(EffectCore):
@@ -29,8 +31,10 @@ class Reconciling(EffectCore):
         assert op is not None
         metrics = self.ctx.engine.metrics
         if op.status is not OperationStatus.RECONCILING:
+            # A new reconciliation (also after an operator's resume): a new horizon.
+            fresh = {k: v for k, v in (op.error or {}).items() if k not in _ASKING}
             await self._apply(
-                self._write(OperationStatus.RECONCILING, error=op.error),
+                self._write(OperationStatus.RECONCILING, error=fresh or None),
                 self._step(StepStatus.RECONCILING),
                 [self._event("effect_reconciling", previous=op.status.value)],
                 run=RunUpdate(RunStatus.RECONCILING),
@@ -77,6 +81,8 @@ class Reconciling(EffectCore):
                 )
             await asyncio.sleep(self.tool.retry.delay_s(op.attempt))
             await self._claim("effect_reconciled", answer="not_executed")
+        elif answer.answer == "running":
+            await self._ask_later(answer.detail)
         elif answer.answer == "failed":
             category = answer.category or FailureCategory.PERMANENT_INPUT
             error = {
@@ -92,6 +98,42 @@ class Reconciling(EffectCore):
             )
         else:
             await self._pause(answer.detail)
+
+    async def _ask_later(self, detail: str) -> None:
+        """The service cannot tell yet: release the run and ask again on a durable timer,
+        with backoff, until ``reconcile_for`` has passed since the first ask; only then
+        does a person have to look."""
+        op = self.op
+        assert op is not None
+        now = await self.ctx.store.now()
+        state = op.error or {}
+        since = float(state.get("reconciling_since", now))
+        asks = int(state.get("asks", 0)) + 1
+        left = self.tool.reconcile_for.total_seconds() - (now - since)
+        if left <= 0:
+            await self._pause(
+                f"{self.tool.name} at {self.step_id}: the service could not say whether it "
+                f"happened after {asks} asks over {now - since:.0f}s ({detail}); check it, "
+                "then resolve the step"
+            )
+        retry_at = now + max(min(self.tool.retry.delay_s(asks), left), 0.05)
+        error = {**state, "reconciling_since": since, "asks": asks, "last_answer": detail}
+        waiting = {
+            "kind": "reconcile",
+            "step_id": self.step_id,
+            "tool": self.tool.name,
+            "retry_at": retry_at,
+        }
+        await self.ctx.release(
+            lambda: self._apply(
+                self._write(OperationStatus.RECONCILING, error=error),
+                self._step(StepStatus.RECONCILING, error=error),
+                [self._event("effect_reconcile_later", asks=asks, retry_at=retry_at)],
+                run=RunUpdate(RunStatus.RECONCILING, waiting_for=waiting, available_at=retry_at),
+                release=True,
+            ),
+            exclude=id(self),
+        )
 
     async def _before_not_executed_is_trusted(self) -> float:
         """Seconds until a "not executed" answer can be trusted (0 if it can now).
@@ -118,7 +160,8 @@ class Reconciling(EffectCore):
                 try:
                     answer = await invoke(self.tool.reconcile, operation)
                 except Exception as exc:
-                    return Reconciliation.unresolved(f"reconcile raised {exc!r}")
+                    # The lookup failed, not the operation: ask again later.
+                    return Reconciliation("running", detail=f"reconcile raised {exc!r}")
                 if not isinstance(answer, Reconciliation):
                     return Reconciliation.unresolved(
                         f"reconcile returned {answer!r}, not a durably.Reconciliation"
@@ -126,6 +169,6 @@ class Reconciling(EffectCore):
                 if answer.answer != "running":
                     return answer
                 await asyncio.sleep(self.tool.retry.delay_s(poll + 1))
-            return Reconciliation.unresolved("still running after repeated reconciliation")
+            return Reconciliation("running", detail="still running after repeated asks")
         finally:
             context._key.reset(token)
