@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from durably.errors import OutsideRunError
+from durably.values import check_text
 
 if TYPE_CHECKING:
     from durably.execution import RunContext
@@ -19,6 +20,7 @@ R = TypeVar("R")
 
 _run: ContextVar[RunContext | None] = ContextVar("durably_run", default=None)
 _key: ContextVar[str | None] = ContextVar("durably_idempotency_key", default=None)
+_external_ids: ContextVar[list[str] | None] = ContextVar("durably_external_ids", default=None)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,28 @@ def idempotency_key() -> str:
             "compensate function) is executing"
         )
     return key
+
+
+def external_id(value: str) -> None:
+    """Record the service's id for the tool call being executed, as soon as the tool knows
+    it (a job accepted, an order number assigned), before the final answer.
+
+    If the call's outcome then turns out unknown (a timeout, a broken connection), the id
+    is kept with the operation and ``reconcile`` gets it as ``op.external_operation_id``:
+    the service can be asked by its own id instead of a search.
+
+    Example::
+
+        @app.tool(reconcile=lambda op: jobs.status(op.external_operation_id))
+        def render(doc: str) -> dict:
+            job = jobs.submit(doc, idempotency_key=durably.idempotency_key())
+            durably.external_id(job.id)
+            return jobs.wait(job.id)
+    """
+    ids = _external_ids.get()
+    if ids is None:
+        raise OutsideRunError("durably.external_id() is only available while a tool is executing")
+    ids.append(check_text(str(value), "external id"))
 
 
 def check_lease() -> None:

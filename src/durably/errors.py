@@ -215,7 +215,24 @@ class ToolError(DurablyError):
 
 
 class OutcomeUnknown(DurablyError):
-    """Raise from a tool when the request may have reached the service but no answer came."""
+    """Raise from a tool when the request may have reached the service but no answer came.
+
+    ``external_id``: the service's id for the operation, if the tool knows it (a job id
+    accepted before the connection broke); ``reconcile`` gets it as
+    ``op.external_operation_id``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        external_id: str | None = None,
+        run_id: str | None = None,
+        step_id: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> None:
+        super().__init__(message, run_id=run_id, step_id=step_id, idempotency_key=idempotency_key)
+        self.external_id = external_id
 
 
 class RunStopped(BaseException):

@@ -865,3 +865,38 @@ def test_reconciliation_pauses_after_its_horizon_and_resume_asks_again(
     assert done.status is RunStatus.COMPLETED, done.error
     assert done.result == "done"
 
+
+@pytest.mark.parametrize("how", ["reported", "raised"])
+def test_reconcile_gets_the_external_id_known_before_the_outcome(
+    make_app: MakeApp, how: str
+) -> None:
+    """The service accepted a job and gave its id, then the answer was lost: reconcile asks
+    by that id (from durably.external_id() or OutcomeUnknown(external_id=))."""
+    app = make_app()
+    asked: list[str | None] = []
+
+    def by_id(op: durably.Operation) -> Reconciliation:
+        asked.append(op.external_operation_id)
+        return Reconciliation.succeeded({"job": op.external_operation_id, "state": "done"})
+
+    @app.tool(reconcile=by_id)
+    def render(doc: str) -> dict[str, Any]:
+        if how == "reported":
+            durably.external_id("job-7")
+            raise TimeoutError("no answer")
+        raise durably.OutcomeUnknown("connection cut", external_id="job-7")
+
+    @app.workflow()
+    async def wf() -> Any:
+        return await render("report.pdf")
+
+    run = app.run(wf)
+    assert run.status is RunStatus.COMPLETED, run.error
+    assert run.result == {"job": "job-7", "state": "done"}
+    assert asked == ["job-7"]
+    assert app.describe(run.run_id)["effects"][0]["external_operation_id"] == "job-7"
+
+
+def test_external_id_outside_a_tool_is_refused() -> None:
+    with pytest.raises(durably.OutsideRunError):
+        durably.external_id("job-7")

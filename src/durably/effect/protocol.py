@@ -26,6 +26,7 @@ from durably.effect.recording import Recording
 from durably.errors import (
     ApprovalExpired,
     IdempotencyConflict,
+    OutcomeUnknown,
     ToolError,
 )
 from durably.execution import Cancel, Suspend
@@ -34,6 +35,7 @@ from durably.status import FailureCategory
 from durably.store.base import (
     OperationRecord,
 )
+from durably.values import storable_text
 
 log = logging.getLogger("durably")
 
@@ -137,6 +139,8 @@ class Effect(Reconciling, Approving, Recording):
         # Past the lease another worker may be reconciling this very claim: never send.
         self.ctx.hold_lease(id(self))
         token = context._key.set(self.key)
+        external_ids: list[str] = []  # durably.external_id() inside the tool appends
+        ids_token = context._external_ids.set(external_ids)
         try:
             call = invoke(self.tool.fn, *self.args, **self.kwargs)
             if self.tool.timeout is not None:
@@ -149,13 +153,16 @@ class Effect(Reconciling, Approving, Recording):
                 # The tool stopped at durably.check_lease() (or the run stopped meanwhile):
                 # nothing can be recorded from here; the run's next holder settles the call.
                 raise Suspend from exc
-            await self._record_failure(exc)
+            if isinstance(exc, OutcomeUnknown) and exc.external_id is not None:
+                external_ids.append(storable_text(str(exc.external_id)))
+            await self._record_failure(exc, external_id=external_ids[-1] if external_ids else None)
             return
         finally:
             context._key.reset(token)
+            context._external_ids.reset(ids_token)
         returned_at = time.monotonic()
         faults.crash_point("effect.after_call")
-        await self._record_success(result)
+        await self._record_success(result, known_id=external_ids[-1] if external_ids else None)
         self.ctx.engine.metrics.checkpoint_lag.observe(time.monotonic() - returned_at)
         faults.crash_point("effect.after_record")
 

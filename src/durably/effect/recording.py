@@ -93,8 +93,15 @@ class Recording(EffectCore):
         )
 
     async def _record_success(
-        self, result: Any, *, event: str = "effect_succeeded", **payload: Any
+        self,
+        result: Any,
+        *,
+        event: str = "effect_succeeded",
+        known_id: str | None = None,
+        **payload: Any,
     ) -> None:
+        """``known_id``: the external id the tool reported while it ran, kept unless
+        ``external_id=`` derives one from the result."""
         try:
             result_json = canonical_json(
                 result,
@@ -108,6 +115,7 @@ class Recording(EffectCore):
             external_id = self.tool.external_id_of(result)
         except Exception as exc:
             log.warning("external_id of %s failed: %r", self.tool.name, exc)
+        external_id = external_id or known_id
         try:
             await self._apply(
                 self._write(
@@ -189,7 +197,7 @@ class Recording(EffectCore):
 
         await ctx.release(pause, exclude=id(self))
 
-    async def _record_failure(self, exc: BaseException) -> None:
+    async def _record_failure(self, exc: BaseException, *, external_id: str | None = None) -> None:
         category = classify(self.tool, exc)
         # Scrubbed whole, then cut: a secret straddling the cut would leave a clear prefix.
         error: dict[str, Any] = {
@@ -210,7 +218,7 @@ class Recording(EffectCore):
             category.value,
             error["message"],
         )
-        changes: dict[str, Any] = {}
+        changes: dict[str, Any] = {"external_operation_id": external_id}
         if status is OperationStatus.UNKNOWN:
             # This execution's own send ended when the call returned: a request still on its
             # way is given the reconcile grace from now.
