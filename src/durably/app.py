@@ -24,6 +24,7 @@ from durably.definitions import (
 from durably.effect import Effect
 from durably.engine import Engine
 from durably.errors import (
+    ApprovalRejected,
     ConfigurationError,
     RunNotFound,
 )
@@ -225,17 +226,41 @@ class App:
 
         return cast(Register, register)
 
+    @overload
     def call_step(
         self,
         name: str,
-        fn: Callable[..., Awaitable[R]] | Callable[..., R],
+        fn: Callable[..., Coroutine[Any, Any, R]],
         /,
         *args: Any,
         step_id: str | None = None,
         canonical: Callable[..., Any] | None = None,
         retry: RetryPolicy | None = None,
         **kwargs: Any,
-    ) -> Coroutine[Any, Any, R]:
+    ) -> Coroutine[Any, Any, R]: ...
+    @overload
+    def call_step(
+        self,
+        name: str,
+        fn: Callable[..., R],
+        /,
+        *args: Any,
+        step_id: str | None = None,
+        canonical: Callable[..., Any] | None = None,
+        retry: RetryPolicy | None = None,
+        **kwargs: Any,
+    ) -> Coroutine[Any, Any, R]: ...
+    def call_step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        step_id: str | None = None,
+        canonical: Callable[..., Any] | None = None,
+        retry: RetryPolicy | None = None,
+        **kwargs: Any,
+    ) -> Coroutine[Any, Any, Any]:
         """Record one call of any callable as a step named ``name``, inside a workflow.
 
         For code that wraps calls it does not own (an agent framework's model call): no
@@ -272,6 +297,7 @@ class App:
         approval_ttl: timedelta = timedelta(hours=24),
         authorize: Callable[[Operation], Any] | None = None,
         reconcile_for: timedelta = timedelta(minutes=15),
+        on_rejected: Callable[[ApprovalRejected], Any] | None = None,
     ) -> Register:
         """Register a tool whose call has an external side effect (the effect ledger).
 
@@ -283,7 +309,10 @@ class App:
         neither, an unknown outcome pauses the run for a person. ``timeout`` bounds one
         execution; a timeout is an unknown outcome.
         ``requires_approval``: each call first waits for a person's approval bound to its
-        exact input, key and plan version, valid ``approval_ttl`` and usable once.
+        exact input, key and plan version, valid ``approval_ttl`` and usable once. A rejection
+        raises ``ApprovalRejected`` in the workflow, or, with ``on_rejected=fn``, the call
+        returns ``fn(rejection)`` instead (for an agent: tell the model, e.g. ``lambda r:
+        {"refused": r.comment}``); ``fn`` is called again on replay, so keep it pure.
         ``authorize=fn``: asked right before every execution (also after a long wait); a
         falsy answer or an exception is a PERMISSION failure: the run pauses, nothing is sent.
         ``redact=[names]``: those arguments are stored, hashed and shown only as HMACs under
@@ -334,6 +363,7 @@ class App:
                 approval_ttl=approval_ttl,
                 authorize=authorize,
                 reconcile_for=reconcile_for,
+                on_rejected=on_rejected,
             )
             self._registry.add_tool(d)
             return Durable(d, fn)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from durably.errors import ConfigurationError
+from durably.errors import ApprovalRejected, ConfigurationError
 from durably.reconcile import Operation, Reconciliation
 from durably.status import FailureCategory
 from durably.values import storable_text
@@ -113,6 +113,7 @@ class ToolDef:
     approval_ttl: timedelta = timedelta(hours=24)
     authorize: Callable[[Operation], Any] | None = None
     reconcile_for: timedelta = timedelta(minutes=15)
+    on_rejected: Callable[[ApprovalRejected], Any] | None = None
 
     @property
     def can_reconcile(self) -> bool:

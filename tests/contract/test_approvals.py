@@ -196,3 +196,43 @@ def test_no_decision_on_a_finished_run(mailer: Any) -> None:
     with pytest.raises(durably.InvalidTransition, match="final"):
         app.approve(run.run_id, by="ana")
     assert sent == Counter()
+
+
+def test_a_rejection_can_be_told_to_the_model(make_app: MakeApp) -> None:
+    """``on_rejected=``: the call answers with what the model should hear; the run goes on,
+    and a replay answers the same without sending."""
+    app = make_app()
+    sent = Counter[str]()
+    gate_open = {"v": False}
+
+    @app.tool(
+        idempotent=True,
+        requires_approval=True,
+        on_rejected=lambda r: {"refused_by": r.by, "why": r.comment},
+    )
+    def refund(order: str) -> dict[str, str]:
+        sent[order] += 1
+        return {"refunded": order}
+
+    @app.tool()
+    def gate() -> None:
+        if not gate_open["v"]:
+            raise TimeoutError("no answer")
+
+    @app.workflow()
+    async def agent() -> Any:
+        answer = await refund("o-1")
+        await gate()
+        return answer
+
+    run = app.run(agent)
+    assert run.status is RunStatus.WAITING_APPROVAL
+    app.reject(run.run_id, by="ana", comment="already refunded by phone")
+    paused = app.resume(run.run_id)
+    assert paused.status_reason == "effect_state_unknown"  # the gate, after the answer
+    gate_open["v"] = True
+    app.resolve_effect(run.run_id, "gate#1", "not_executed")
+    done = app.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED
+    assert done.result == {"refused_by": "ana", "why": "already refunded by phone"}
+    assert sent == Counter()

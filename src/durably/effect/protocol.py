@@ -25,6 +25,7 @@ from durably.effect.reconciliation import Reconciling
 from durably.effect.recording import Recording
 from durably.errors import (
     ApprovalExpired,
+    ApprovalRejected,
     IdempotencyConflict,
     OutcomeUnknown,
     ToolError,
@@ -51,7 +52,13 @@ class Effect(Reconciling, Approving, Recording):
             await self.ctx.boundary()
             await self.ctx.check_budget()
         async with self.ctx.in_flight(id(self)):
-            return await self._until_settled()
+            try:
+                return await self._until_settled()
+            except ApprovalRejected as rejected:
+                if self.tool.on_rejected is None:
+                    raise
+                # The rejection is recorded (the approval), so a replay answers the same.
+                return self.tool.on_rejected(rejected)
 
     async def _until_settled(self) -> Any:
         """Decide, act, and decide again until the call has a result (or stops the run)."""
