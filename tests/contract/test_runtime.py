@@ -582,6 +582,34 @@ def test_checkpoints_carry_every_field(make_app: MakeApp) -> None:
     assert json.dumps(payloads)  # everything is JSON
 
 
+def test_a_paused_unknown_effect_is_the_checkpoints_pending_action(make_app: MakeApp) -> None:
+    """What recovery must do first is in the checkpoint: the call whose outcome is unknown."""
+    app = make_app()
+
+    @app.tool()
+    def send() -> None:
+        raise TimeoutError("no answer")
+
+    @app.workflow()
+    async def wf() -> None:
+        await send()
+
+    run = app.run(wf)
+    assert run.status_reason == "effect_state_unknown"
+    latest = app.checkpoints(run.run_id)[0]
+    assert latest["status"] == "paused"
+    key = app.describe(run.run_id)["effects"][0]["idempotency_key"]
+    assert latest["pending_action"] == {
+        "tool": "send",
+        "step_id": "send#1",
+        "idempotency_key": key,
+        "status": "unknown",
+    }
+    app.resolve_effect(run.run_id, "send#1", "failed")
+    app.resume(run.run_id)
+    assert app.checkpoints(run.run_id)[0]["pending_action"] is None
+
+
 def test_tool_timeout_is_an_unknown_outcome(make_app: MakeApp) -> None:
     """A call cut off by timeout= may still have taken effect: unknown, never 'failed'."""
     app = make_app()

@@ -34,6 +34,9 @@ from durably.store.base import (
 log = logging.getLogger("durably")
 
 
+_SETTLED = (OperationStatus.SUCCEEDED, OperationStatus.FAILED, OperationStatus.COMPENSATED)
+
+
 class EffectCore:
     """One tool call inside a run: its identity (step id, input hash, idempotency key), its
     ledger row, and the transitions that write it. The phases of the protocol are mixins
@@ -155,17 +158,25 @@ class EffectCore:
         *,
         run: RunUpdate | None = None,
         checkpoint: bool = True,
-        pending: bool = False,
         release: bool = False,
         settle: str | None = None,
         use_approval: ApprovalUse | None = None,
     ) -> None:
-        """Commit one ledger transition; ``settle``: the result JSON to add to the journal."""
+        """Commit one ledger transition; ``settle``: the result JSON to add to the journal.
+
+        Its checkpoint names the call as the run's pending action while the call is not
+        settled (recorded, executing, unknown, being reconciled): what recovery must do first.
+        """
         ctx = self.ctx
         pending_action = (
-            {"tool": self.tool.name, "step_id": self.step_id, "idempotency_key": self.key}
-            if pending
-            else None
+            None
+            if write.status in _SETTLED
+            else {
+                "tool": self.tool.name,
+                "step_id": self.step_id,
+                "idempotency_key": self.key,
+                "status": write.status.value,
+            }
         )
 
         def transition() -> Transition:

@@ -72,7 +72,6 @@ class Recording(EffectCore):
             self._write(status, attempt=attempt, hold_lease=together),
             self._step(StepStatus(status.value), attempts=attempt),
             [self._event("effect_intent_recorded", input_hash=self.input_hash)],
-            pending=True,
             # The approval is consumed by the transaction that claims the effect.
             use_approval=use if together else None,
         )
