@@ -61,7 +61,7 @@ class Suspend(RunStopped):
     lease or store lost (nothing more is written), or poisoned (the driver pauses it)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Scope:
     """Where positional step ids are counted: the workflow's own sequence, or one branch of
     :func:`durably.gather`, whose calls are numbered within the branch so that the order

@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from durably import context, faults
@@ -78,117 +79,97 @@ def call_step(
         arguments = bind_arguments(sdef.signature, sdef.name, args, kwargs)
     ih = input_hash(sdef.name, sdef.version, arguments)
     ctx.replayed(step_id, position, "step", sdef.name, ih)
-    return ctx.created(
-        step_id, sdef.name, _run_step(ctx, sdef, args, kwargs, step_id, position, ih)
-    )
+    call = StepCall(ctx, sdef, step_id, position, ih)
+    return ctx.created(step_id, sdef.name, call.settle(args, kwargs))
 
 
-async def _run_step(
-    ctx: RunContext,
-    sdef: StepDef,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    step_id: str,
-    position: int,
-    ih: str,
-) -> Any:
-    ctx.started(step_id)
-    recorded = ctx.steps.get(step_id)
-    if recorded is not None and recorded.status is StepStatus.SUCCEEDED:
-        return json.loads(recorded.output_json or "null")
-    if recorded is not None and recorded.status is StepStatus.FAILED:
-        raise _step_failed(ctx, step_id, recorded.error or {})
-    await ctx.boundary()
-    await ctx.check_budget()
-    in_flight = object()  # alive until the step returns: its id marks it in flight
-    attempt = 0
-    while True:
-        attempt += 1
-        # A step another worker may have recorded already is not run again (model calls
-        # cost money), nor one whose result this process could no longer record.
-        ctx.hold_lease()
-        # In flight from its start to its record: a parallel branch that releases the run
-        # waits for it, rather than let a finished step (a paid model call) run again.
-        async with ctx.in_flight(id(in_flight)):
-            try:
-                value = await invoke(sdef.fn, *args, **kwargs)
-            except Exception as exc:
-                if attempt >= sdef.retry.max_attempts:
-                    await _record_step_failure(ctx, sdef, step_id, position, ih, attempt, exc)
-                log.info("step %s attempt %d failed (%r); retrying", step_id, attempt, exc)
-            else:
-                await _record_step(ctx, sdef, step_id, position, ih, attempt, value)
-                return value
-        await asyncio.sleep(sdef.retry.delay_s(attempt))
+@dataclass(frozen=True)
+class StepCall:
+    """One call of a step: replayed from the journal, or run (with retries) and recorded."""
 
+    ctx: RunContext
+    sdef: StepDef
+    step_id: str
+    position: int
+    input_hash: str
 
-async def _record_step(
-    ctx: RunContext,
-    sdef: StepDef,
-    step_id: str,
-    position: int,
-    ih: str,
-    attempt: int,
-    value: Any,
-) -> None:
-    output_json = canonical_json(
-        value, what=f"the result of step {step_id}", limit=ctx.engine.max_payload_bytes
-    )
-    await ctx.commit(
-        lambda: Transition(
-            events=[
-                EventWrite(
-                    "step_succeeded",
-                    step_id,
-                    {"name": sdef.name, "output_hash": sha256_hex(output_json)},
-                )
-            ],
-            step=StepWrite(
-                step_id,
-                position,
-                "step",
-                sdef.name,
-                StepStatus.SUCCEEDED,
-                ih,
-                output_json=output_json,
-                attempts=attempt,
-                settle=True,
-            ),
-            checkpoint=ctx.journal.draft(status=RunStatus.RUNNING, current_step=step_id),
-        ),
-        settle=(step_id, output_json),
-    )
-    # Result, event and checkpoint are one transaction: checkpoint.after_write (fired by
-    # the commit) and this window are the same moment.
-    faults.crash_point("step.after_record")
+    async def settle(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ctx = self.ctx
+        ctx.started(self.step_id)
+        recorded = ctx.steps.get(self.step_id)
+        if recorded is not None and recorded.status is StepStatus.SUCCEEDED:
+            return json.loads(recorded.output_json or "null")
+        if recorded is not None and recorded.status is StepStatus.FAILED:
+            raise _step_failed(ctx, self.step_id, recorded.error or {})
+        await ctx.boundary()
+        await ctx.check_budget()
+        attempt = 0
+        while True:
+            attempt += 1
+            # A step another worker may have recorded already is not run again (model calls
+            # cost money), nor one whose result this process could no longer record.
+            ctx.hold_lease()
+            # In flight from its start to its record: a parallel branch that releases the run
+            # waits for it, rather than let a finished step (a paid model call) run again.
+            async with ctx.in_flight(id(self)):
+                try:
+                    value = await invoke(self.sdef.fn, *args, **kwargs)
+                except Exception as exc:
+                    if attempt >= self.sdef.retry.max_attempts:
+                        await self._record_failure(attempt, exc)
+                    log.info("step %s attempt %d failed (%r); retrying", self.step_id, attempt, exc)
+                else:
+                    await self._record(attempt, value)
+                    return value
+            await asyncio.sleep(self.sdef.retry.delay_s(attempt))
 
-
-async def _record_step_failure(
-    ctx: RunContext,
-    sdef: StepDef,
-    step_id: str,
-    position: int,
-    ih: str,
-    attempt: int,
-    exc: Exception,
-) -> NoReturn:
-    error = error_dict(exc)
-    await ctx.commit(
-        Transition(
-            events=[EventWrite("step_failed", step_id, {"name": sdef.name, **error})],
-            step=StepWrite(
-                step_id,
-                position,
-                "step",
-                sdef.name,
-                StepStatus.FAILED,
-                ih,
-                error=error,
-                attempts=attempt,
-            ),
+    def _write(self, status: StepStatus, attempt: int, **changes: Any) -> StepWrite:
+        return StepWrite(
+            self.step_id,
+            self.position,
+            "step",
+            self.sdef.name,
+            status,
+            self.input_hash,
+            attempts=attempt,
+            **changes,
         )
-    )
-    raise _step_failed(ctx, step_id, error) from exc
+
+    async def _record(self, attempt: int, value: Any) -> None:
+        ctx = self.ctx
+        output_json = canonical_json(
+            value, what=f"the result of step {self.step_id}", limit=ctx.engine.max_payload_bytes
+        )
+        output_hash = sha256_hex(output_json)
+        await ctx.commit(
+            lambda: Transition(
+                events=[
+                    EventWrite(
+                        "step_succeeded",
+                        self.step_id,
+                        {"name": self.sdef.name, "output_hash": output_hash},
+                    )
+                ],
+                step=self._write(
+                    StepStatus.SUCCEEDED, attempt, output_json=output_json, settle=True
+                ),
+                checkpoint=ctx.journal.draft(status=RunStatus.RUNNING, current_step=self.step_id),
+            ),
+            settle=(self.step_id, output_json),
+        )
+        # Result, event and checkpoint are one transaction: checkpoint.after_write (fired by
+        # the commit) and this window are the same moment.
+        faults.crash_point("step.after_record")
+
+    async def _record_failure(self, attempt: int, exc: Exception) -> NoReturn:
+        error = error_dict(exc)
+        await self.ctx.commit(
+            Transition(
+                events=[EventWrite("step_failed", self.step_id, {"name": self.sdef.name, **error})],
+                step=self._write(StepStatus.FAILED, attempt, error=error),
+            )
+        )
+        raise _step_failed(self.ctx, self.step_id, error) from exc
 
 
 def _step_failed(ctx: RunContext, step_id: str, error: dict[str, Any]) -> StepFailed:
