@@ -56,6 +56,8 @@ LAYERS: dict[str, int] = {
     # the command line: the facade, the console and the demo
     "durably.cli": 8,
     "durably.__main__": 9,
+    # agent-framework plug-ins: need their optional extras, so nothing in durably imports them
+    "durably.integrations": 10,
 }
 
 

@@ -1,0 +1,1 @@
+"""Agent frameworks inside durably workflows; each module needs its framework's extra."""
