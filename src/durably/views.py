@@ -69,6 +69,7 @@ def describe(journal: Journal) -> dict[str, Any]:
                 "kind": s.kind,
                 "name": s.name,
                 "status": s.status.value,
+                "input_hash": s.input_hash,
                 "attempts": s.attempts,
                 "output": None if s.output_json is None else _loads(s.output_json),
                 "error": s.error,
