@@ -298,6 +298,7 @@ class App:
         authorize: Callable[[Operation], Any] | None = None,
         reconcile_for: timedelta = timedelta(minutes=15),
         on_rejected: Callable[[ApprovalRejected], Any] | None = None,
+        control_flow: Sequence[type[BaseException]] = (),
     ) -> Register:
         """Register a tool whose call has an external side effect (the effect ledger).
 
@@ -313,6 +314,10 @@ class App:
         raises ``ApprovalRejected`` in the workflow, or, with ``on_rejected=fn``, the call
         returns ``fn(rejection)`` instead (for an agent: tell the model, e.g. ``lambda r:
         {"refused": r.comment}``); ``fn`` is called again on replay, so keep it pure.
+        An agent framework's control flow raised by the tool (Pydantic AI's ``ModelRetry``,
+        ``CallDeferred``, ``ApprovalRequired``; LangGraph's ``interrupt()``; the types in
+        ``control_flow``) means the tool chose not to act: it is recorded as not sent and
+        raised on unchanged, never taken for an unknown outcome.
         ``authorize=fn``: asked right before every execution (also after a long wait); a
         falsy answer or an exception is a PERMISSION failure: the run pauses, nothing is sent.
         ``redact=[names]``: those arguments are stored, hashed and shown only as HMACs under
@@ -364,6 +369,7 @@ class App:
                 authorize=authorize,
                 reconcile_for=reconcile_for,
                 on_rejected=on_rejected,
+                control_flow=tuple(control_flow),
             )
             self._registry.add_tool(d)
             return Durable(d, fn)

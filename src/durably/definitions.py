@@ -90,6 +90,17 @@ class StepDef:
     leave out what changes on every execution: generated ids, timestamps)."""
 
 
+CONTROL_FLOW = frozenset(
+    {
+        "pydantic_ai.exceptions.ModelRetry",
+        "pydantic_ai.exceptions.CallDeferred",
+        "pydantic_ai.exceptions.ApprovalRequired",
+        "langgraph.errors.GraphBubbleUp",  # GraphInterrupt (interrupt()), ParentCommand
+    }
+)
+"""Agent frameworks' control-flow exceptions (and their subclasses), by qualified name so
+that none of the frameworks needs to be installed; a tool's ``control_flow=`` adds more."""
+
 Classifier = Callable[[BaseException], FailureCategory | None]
 Reconciler = Callable[[Operation], Reconciliation | Any]
 
@@ -114,6 +125,15 @@ class ToolDef:
     authorize: Callable[[Operation], Any] | None = None
     reconcile_for: timedelta = timedelta(minutes=15)
     on_rejected: Callable[[ApprovalRejected], Any] | None = None
+    control_flow: tuple[type[BaseException], ...] = ()
+
+    def is_control_flow(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a framework's control flow raised by the tool (ask the model
+        again, defer the call, interrupt the graph) rather than a failure: the tool chose
+        not to act, so nothing was sent."""
+        if isinstance(exc, self.control_flow):
+            return True
+        return any(f"{c.__module__}.{c.__qualname__}" in CONTROL_FLOW for c in type(exc).__mro__)
 
     @property
     def can_reconcile(self) -> bool:

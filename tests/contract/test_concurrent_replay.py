@@ -314,3 +314,59 @@ def test_call_step_refuses_a_tool_name(make_app: MakeApp) -> None:
     assert run.status is RunStatus.FAILED
     assert run.error is not None
     assert run.error["type"] == "ConfigurationError"
+
+
+class AskAgain(Exception):
+    """A framework's "ask the model again" (like Pydantic AI's ModelRetry)."""
+
+
+class GraphBubbleUp(Exception):
+    """Named as LangGraph's base of ``interrupt()``: known without LangGraph installed."""
+
+
+GraphBubbleUp.__module__ = "langgraph.errors"
+
+
+@pytest.mark.parametrize("signal", [AskAgain, GraphBubbleUp], ids=["declared", "by_name"])
+def test_a_frameworks_control_flow_is_not_an_unknown_outcome(
+    make_app: MakeApp, signal: type[Exception]
+) -> None:
+    """The tool raises its framework's control flow before sending anything: the framework
+    gets it unchanged, nothing pauses for a person, and a replay runs the tool again."""
+    app = make_app()
+    refunded: list[str] = []
+    gate_open = {"v": False}
+
+    @app.tool(control_flow=[AskAgain])
+    def refund(order: str) -> str:
+        if not order.startswith("o-"):
+            raise signal(f"{order!r} is not an order id; ask again")
+        refunded.append(order)
+        return order
+
+    @app.tool()
+    def gate() -> None:
+        if not gate_open["v"]:
+            raise TimeoutError("no answer")
+
+    @app.workflow()
+    async def agent() -> str:
+        try:
+            done = await refund.with_step_id("call_1")("17")
+        except signal:  # the framework asks the model, which corrects the id
+            done = await refund.with_step_id("call_2")("o-17")
+        await gate()
+        return done
+
+    run = app.run(agent)
+    assert run.status_reason == "effect_state_unknown"  # the gate, after both calls
+    effects = {e["step_id"]: e["status"] for e in app.describe(run.run_id)["effects"]}
+    assert effects == {"call_1": "intent_recorded", "call_2": "succeeded", "gate#1": "unknown"}
+    not_sent = [e for e in app.events(run.run_id) if e.type == "effect_not_sent"]
+    assert [e.step_id for e in not_sent] == ["call_1"]
+    gate_open["v"] = True
+    app.resolve_effect(run.run_id, "gate#1", "not_executed")
+    done = app.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED, done.error
+    assert done.result == "o-17"
+    assert refunded == ["o-17"]

@@ -160,6 +160,9 @@ class Effect(Reconciling, Approving, Recording):
                 # The tool stopped at durably.check_lease() (or the run stopped meanwhile):
                 # nothing can be recorded from here; the run's next holder settles the call.
                 raise Suspend from exc
+            if self.tool.is_control_flow(exc):
+                await self._record_not_sent(exc)
+                raise
             if isinstance(exc, OutcomeUnknown) and exc.external_id is not None:
                 external_ids.append(storable_text(str(exc.external_id)))
             await self._record_failure(exc, external_id=external_ids[-1] if external_ids else None)

@@ -228,6 +228,23 @@ class Recording(EffectCore):
             [self._event(f"effect_{status.value}", category=category.value, **error)],
         )
 
+    async def _record_not_sent(self, exc: BaseException) -> None:
+        """The tool raised its framework's control flow (ask the model again, defer, interrupt):
+        it chose not to act, so nothing was sent. The call goes back to ``intent_recorded``,
+        settled by nobody: the framework handles the exception, and a replay that reaches the
+        same call runs the tool again, which decides again."""
+        await self._apply(
+            self._write(OperationStatus.INTENT_RECORDED, failure_category=None),
+            self._step(StepStatus.INTENT_RECORDED),
+            [
+                self._event(
+                    "effect_not_sent",
+                    type=self._scrub(type(exc).__name__),
+                    message=storable_text(self._scrub(str(exc))),
+                )
+            ],
+        )
+
     async def _pause(self, detail: str = "") -> None:
         op = self.op
         assert op is not None
