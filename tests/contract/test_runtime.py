@@ -928,3 +928,51 @@ def test_reconcile_gets_the_external_id_known_before_the_outcome(
 def test_external_id_outside_a_tool_is_refused() -> None:
     with pytest.raises(durably.OutsideRunError):
         durably.external_id("job-7")
+
+
+def test_a_new_tool_version_keeps_the_calls_already_recorded(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """Deploying @app.tool(version="2") while a run waits: its recorded call is still the
+    same call (its key and result kept, no idempotency_conflict); new calls use version 2."""
+    charged: list[tuple[str, int]] = []
+
+    def deploy(version: str, gate_open: bool) -> durably.App:
+        app = make_app()
+
+        @app.tool(idempotent=True, version=version)
+        def charge(amount: int) -> int:
+            charged.append((version, amount))
+            return amount
+
+        @app.tool()
+        def gate() -> None:
+            if not gate_open:
+                raise TimeoutError("no answer")
+
+        @app.workflow()
+        async def wf() -> list[int]:
+            first = await charge(10)
+            await gate()
+            return [first, await charge(20)]
+
+        return app
+
+    old = deploy("1", gate_open=False)
+    run = old.run("wf")
+    assert run.status_reason == "effect_state_unknown"
+    old.resolve_effect(run.run_id, "gate#1", "not_executed")
+    new = deploy("2", gate_open=True)
+    done = new.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED, done.error
+    assert done.result == [10, 20]
+    assert charged == [("1", 10), ("2", 20)]
+    versions = {
+        r[0]: r[1]
+        for r in fetch_sql(
+            database_url,
+            "SELECT step_id, tool_version FROM durably_tool_operations WHERE run_id = ?",
+            (run.run_id,),
+        )
+    }
+    assert versions == {"charge#1": "1", "gate#1": "1", "charge#2": "2"}

@@ -88,6 +88,15 @@ class EffectCore:
                 )
             )
         self.op: OperationRecord | None = ctx.operations.get(self.key)
+        self.tool_version = tool.version
+        op = self.op
+        if op is not None and op.tool_version != tool.version and op.input_hash != self.input_hash:
+            # Recorded under another version of the tool (deployed since): still the same call
+            # if its arguments hash the same under that version. It keeps its key, version and
+            # result; only calls made from now on use the new version.
+            if input_hash(tool.name, op.tool_version, self.arguments, key=secret) == op.input_hash:
+                self.input_hash = op.input_hash
+                self.tool_version = op.tool_version
         # input_hash() already proved the arguments are plain JSON.
         self.stored_arguments = redact(tool, secret, self.arguments)
         self.arguments_json = plain_json(self.stored_arguments)
@@ -109,7 +118,7 @@ class EffectCore:
             step_id=self.step_id,
             plan_version=self.ctx.plan_version,
             tool=self.tool.name,
-            tool_version=self.tool.version,
+            tool_version=self.tool_version,
             input_hash=self.input_hash,
             arguments_json=self.arguments_json,
             status=status,
