@@ -672,10 +672,21 @@ class App:
         """
         return Subscription(self, handler, consumer=consumer, batch=batch)
 
-    def worker(self, *, concurrency: int = 1, lease_ttl: timedelta | None = None) -> Worker:
-        """A worker that claims and executes this app's runnable runs."""
+    def worker(
+        self,
+        *,
+        concurrency: int = 1,
+        lease_ttl: timedelta | None = None,
+        recheck_paused: timedelta | None = timedelta(minutes=10),
+    ) -> Worker:
+        """A worker that claims and executes this app's runnable runs (see :class:`Worker`)."""
 
-        return Worker(self, concurrency=concurrency, lease_ttl=lease_ttl or self.lease_ttl)
+        return Worker(
+            self,
+            concurrency=concurrency,
+            lease_ttl=lease_ttl or self.lease_ttl,
+            recheck_paused=recheck_paused,
+        )
 
 
 MIN_SECRET_BYTES = 16

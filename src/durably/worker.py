@@ -21,7 +21,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from durably import runtime
-from durably.errors import ConfigurationError, StoreUnavailable
+from durably.errors import ConfigurationError, InvalidTransition, StoreUnavailable
+from durably.status import PauseReason, RunStatus
+from durably.store.base import EventWrite, Expect, RunUpdate, Transition
 
 if TYPE_CHECKING:
     from durably.engine import HasEngine
@@ -39,6 +41,10 @@ class Worker:
 
     ``concurrency`` runs are executed at once in this process; run as many processes, on
     as many machines, as the store allows (SQLite: one machine; PostgreSQL: any).
+
+    ``recheck_paused``: a run paused ``effect_state_unknown`` at a tool that can reconcile
+    (the service could not say in time) is queued again once it has been paused that long,
+    so the service is asked again without a person; ``None`` leaves it to a person.
     """
 
     def __init__(
@@ -48,6 +54,7 @@ class Worker:
         concurrency: int = 1,
         lease_ttl: timedelta = timedelta(seconds=30),
         poll_interval: timedelta = timedelta(milliseconds=500),
+        recheck_paused: timedelta | None = timedelta(minutes=10),
     ) -> None:
         if concurrency < 1:
             raise ConfigurationError("worker concurrency must be at least 1")
@@ -55,6 +62,7 @@ class Worker:
         self.concurrency = concurrency
         self.lease_ttl_s = lease_ttl.total_seconds()
         self.poll_interval_s = poll_interval.total_seconds()
+        self.recheck_paused_s = None if recheck_paused is None else recheck_paused.total_seconds()
         self.worker_id = worker_id("worker")
         self.executed = 0
         """Run executions performed (a run that waits and resumes counts each time)."""
@@ -101,12 +109,23 @@ class Worker:
                 loop.add_signal_handler(sig, self.stop)
                 handled.append(sig)
         await self.engine.open()
+        if until_idle:
+            await self.recheck_paused()
         # Slots that stop when idle never wait for work: no listener (nor its connection).
         listener = None if until_idle else asyncio.create_task(self._listen())
+        rechecks = (
+            None
+            if until_idle or self.recheck_paused_s is None
+            else asyncio.create_task(self._rechecks(self.recheck_paused_s))
+        )
         slots = [asyncio.create_task(self._slot(until_idle)) for _ in range(self.concurrency)]
         try:
             await asyncio.gather(*slots)
         finally:
+            if rechecks is not None:
+                rechecks.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await rechecks
             if listener is not None:
                 # The store closes the listener's connection when this task ends.
                 listener.cancel()
@@ -115,6 +134,53 @@ class Worker:
             for sig in handled:
                 loop.remove_signal_handler(sig)
         return self.executed
+
+    async def _rechecks(self, every_s: float) -> None:
+        while not self._stopping.is_set():
+            try:
+                if await self.recheck_paused():
+                    await self._wake_all()
+            except StoreUnavailable as exc:
+                log.warning("worker %s: cannot recheck paused runs (%s)", self.worker_id, exc)
+            await asyncio.sleep(min(max(every_s, 1.0), 60.0))
+
+    async def recheck_paused(self, *, limit: int = 100) -> list[str]:
+        """Queue again the runs paused ``effect_state_unknown`` for at least
+        ``recheck_paused`` at a tool that can reconcile; returns their ids."""
+        if self.recheck_paused_s is None:
+            return []
+        store = self.engine.store
+        now = await store.now()
+        queued: list[str] = []
+        for run in await store.list_runs(status=RunStatus.PAUSED, limit=limit):
+            waiting = run.waiting_for or {}
+            tool = self.engine.registry.tool_def(str(waiting.get("tool")), missing_ok=True)
+            if (
+                run.status_reason != PauseReason.EFFECT_STATE_UNKNOWN
+                or tool is None
+                or not tool.can_reconcile
+                or f"{run.workflow}|{run.workflow_version}" not in self.engine.registry.versions
+                or now - run.updated_at < self.recheck_paused_s
+            ):
+                continue
+            try:
+                await store.commit(
+                    Expect(run.run_id, run.state_version),
+                    Transition(
+                        events=[
+                            EventWrite(
+                                "run_resumed",
+                                None,
+                                {"from": run.status_reason, "by": "recheck", "tool": tool.name},
+                            )
+                        ],
+                        run=RunUpdate(RunStatus.QUEUED),
+                    ),
+                )
+            except InvalidTransition:
+                continue  # another worker (or a person) got there first
+            queued.append(run.run_id)
+        return queued
 
     async def _listen(self) -> None:
         """Wake the idle slots when the store says a run became runnable."""

@@ -976,3 +976,39 @@ def test_a_new_tool_version_keeps_the_calls_already_recorded(
         )
     }
     assert versions == {"charge#1": "1", "gate#1": "1", "charge#2": "2"}
+
+
+def test_a_worker_rechecks_a_run_paused_at_a_tool_that_can_reconcile(make_app: MakeApp) -> None:
+    """Past its horizon the run paused for a person; the lookup service is back later, and a
+    worker asks again by itself. A tool that cannot reconcile is left to the person."""
+    app = make_app()
+    back = {"v": False}
+
+    def find(op: durably.Operation) -> Reconciliation:
+        if not back["v"]:
+            raise ConnectionRefusedError("lookup service down")
+        return Reconciliation.succeeded("found")
+
+    @app.tool(reconcile=find, reconcile_for=timedelta(0))
+    def act() -> str:
+        raise TimeoutError("no answer")
+
+    @app.tool()
+    def plain() -> str:
+        raise TimeoutError("no answer")
+
+    @app.workflow()
+    async def wf(reconcilable: bool) -> str:
+        return await (act() if reconcilable else plain())
+
+    asked = app.run(wf, True)
+    alone = app.run(wf, False)
+    assert asked.status_reason == alone.status_reason == "effect_state_unknown"
+    assert app.worker(recheck_paused=timedelta(hours=1)).run(until_idle=True) == 0  # too soon
+    back["v"] = True
+    assert app.worker(recheck_paused=timedelta(0)).run(until_idle=True) == 1
+    assert app.get_run(asked.run_id).status is RunStatus.COMPLETED
+    assert app.get_run(asked.run_id).result == "found"
+    assert app.get_run(alone.run_id).status is RunStatus.PAUSED
+    resumed = [e for e in app.events(asked.run_id) if e.type == "run_resumed"]
+    assert [e.payload["by"] for e in resumed] == ["recheck"]

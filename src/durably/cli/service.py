@@ -26,6 +26,9 @@ MAX_CONCURRENCY = 1000
 MAX_LEASE_TTL_S = 86400.0
 """The longest lease, a day: a dead worker's runs wait that long before recovery."""
 
+MAX_RECHECK_S = 30 * 86400.0
+"""A month: a longer recheck interval means none; say --no-recheck."""
+
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
     # FloatRange lets NaN through: it compares false with both bounds.
@@ -52,13 +55,34 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     help="Lease length; a dead worker's runs are recovered after it "
     "(env: DURABLY_LEASE_TTL; default: the app's lease_ttl).",
 )
+@click.option(
+    "--recheck-paused",
+    type=click.FloatRange(min=0, max=MAX_RECHECK_S),
+    callback=_finite,
+    default=600,
+    show_default=True,
+    metavar="SECONDS",
+    help="Queue again a run paused effect_state_unknown at a tool that can reconcile once it "
+    "has been paused this long, so the service is asked again (0: at once).",
+)
+@click.option(
+    "--no-recheck", is_flag=True, help="Leave every paused run to a person (no recheck)."
+)
 @pass_config
-def worker(config: Config, until_idle: bool, concurrency: int, lease_ttl: float | None) -> None:
+def worker(
+    config: Config,
+    until_idle: bool,
+    concurrency: int,
+    lease_ttl: float | None,
+    recheck_paused: float,
+    no_recheck: bool,
+) -> None:
     """Execute runnable runs. Runs until SIGINT/SIGTERM, or until idle with --until-idle;
     several workers may share one database."""
     app = config.app()
     ttl = app.lease_ttl if lease_ttl is None else timedelta(seconds=lease_ttl)
-    w = app.worker(concurrency=concurrency, lease_ttl=ttl)
+    recheck = None if no_recheck else timedelta(seconds=recheck_paused)
+    w = app.worker(concurrency=concurrency, lease_ttl=ttl, recheck_paused=recheck)
     executed = run_coro(app, lambda: w.run_async(until_idle=until_idle))
     echo(f"durably worker {w.worker_id}: executed {executed} run(s)", err=True)
 

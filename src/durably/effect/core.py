@@ -90,13 +90,17 @@ class EffectCore:
         self.op: OperationRecord | None = ctx.operations.get(self.key)
         self.tool_version = tool.version
         op = self.op
-        if op is not None and op.tool_version != tool.version and op.input_hash != self.input_hash:
-            # Recorded under another version of the tool (deployed since): still the same call
-            # if its arguments hash the same under that version. It keeps its key, version and
-            # result; only calls made from now on use the new version.
-            if input_hash(tool.name, op.tool_version, self.arguments, key=secret) == op.input_hash:
-                self.input_hash = op.input_hash
-                self.tool_version = op.tool_version
+        # Recorded under another version of the tool (deployed since): still the same call if
+        # its arguments hash the same under that version. It keeps its key, version and
+        # result; only calls made from now on use the new version.
+        if (
+            op is not None
+            and op.tool_version != tool.version
+            and op.input_hash != self.input_hash
+            and input_hash(tool.name, op.tool_version, self.arguments, key=secret) == op.input_hash
+        ):
+            self.input_hash = op.input_hash
+            self.tool_version = op.tool_version
         # input_hash() already proved the arguments are plain JSON.
         self.stored_arguments = redact(tool, secret, self.arguments)
         self.arguments_json = plain_json(self.stored_arguments)
