@@ -893,3 +893,24 @@ def test_a_real_terminal_receives_no_control_sequence(project: Path) -> None:
         # The terminal turns each \n into \r\n: those are the only controls allowed.
         text = received.replace(b"\r\n", b"\n").decode()
         assert_shown_not_obeyed(text)
+
+
+def test_fork_replays_history_and_blocks_a_new_effect(project: Path) -> None:
+    ok("start", "summing", "--input", '{"a": 2, "b": 3}', "--run-id", "s-1")
+    ok("worker", "--until-idle")
+    assert ok("fork", "s-1", "--at", "add#1", "--run-id", "f-1") == "f-1: queued\n"
+    ok("worker", "--until-idle")
+    forked = ok_json("runs", "show", "f-1")
+    assert forked["status"] == "paused"
+    assert forked["status_reason"] == "replay_blocked"
+    assert [s["step_id"] for s in forked["steps"]] == ["add#1"]
+    recorded = ok_json("fork", "s-1", "--replay", "recorded", "--at", "add#1")
+    ok("worker", "--until-idle")
+    done = ok_json("runs", "show", recorded["run_id"])
+    assert done["status"] == "completed"
+    assert done["result"] == ok_json("runs", "show", "s-1")["result"]
+
+    bad = durably("fork", "s-1", "--at", "nope#9")
+    assert bad.exit_code == 1
+    assert bad.stderr.startswith("error: run s-1 has no settled step or checkpoint 'nope#9'")
+    assert durably("fork", "s-1", "--replay", "sometimes").exit_code == 2

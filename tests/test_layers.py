@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     # engine: executing runs, given its collaborators
     "durably.engine": 3,
     "durably.actions": 3,
+    "durably.fork": 3,
     "durably.views": 3,
     "durably.execution": 3,
     "durably.context": 3,

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
-from durably import actions, context, runtime, views
+from durably import actions, context, fork, runtime, views
 from durably.definitions import (
     Budget,
     Classifier,
@@ -34,7 +34,7 @@ from durably.keys import (
 from durably.metrics import Metrics
 from durably.reconcile import Operation
 from durably.registry import Registry
-from durably.status import RunStatus
+from durably.status import ReplayMode, RunStatus
 from durably.store.base import (
     Approval,
     Event,
@@ -299,6 +299,7 @@ class App:
         reconcile_for: timedelta = timedelta(minutes=15),
         on_rejected: Callable[[ApprovalRejected], Any] | None = None,
         control_flow: Sequence[type[BaseException]] = (),
+        sandbox: Callable[..., Any] | None = None,
     ) -> Register:
         """Register a tool whose call has an external side effect (the effect ledger).
 
@@ -317,7 +318,8 @@ class App:
         An agent framework's control flow raised by the tool (Pydantic AI's ``ModelRetry``,
         ``CallDeferred``, ``ApprovalRequired``; LangGraph's ``interrupt()``; the types in
         ``control_flow``) means the tool chose not to act: it is recorded as not sent and
-        raised on unchanged, never taken for an unknown outcome.
+        raised on unchanged, never taken for an unknown outcome. ``sandbox=fn`` (same
+        signature, no real effect) is what a fork with ``ReplayMode.SANDBOX`` calls instead.
         ``authorize=fn``: asked right before every execution (also after a long wait); a
         falsy answer or an exception is a PERMISSION failure: the run pauses, nothing is sent.
         ``redact=[names]``: those arguments are stored, hashed and shown only as HMACs under
@@ -370,6 +372,7 @@ class App:
                 reconcile_for=reconcile_for,
                 on_rejected=on_rejected,
                 control_flow=tuple(control_flow),
+                sandbox=sandbox,
             )
             self._registry.add_tool(d)
             return Durable(d, fn)
@@ -627,6 +630,45 @@ class App:
         run may still show it running. Cancelled is final.
         """
         return self._loop.call(self.cancel_async(run_id, compensate=compensate))
+
+    async def fork_async(
+        self,
+        run_id: str,
+        *,
+        at: str | None = None,
+        replay: ReplayMode = ReplayMode.DISABLED,
+        new_run_id: str | None = None,
+    ) -> Run:
+        forked = await fork.fork(self.engine, run_id, at=at, replay=replay, run_id=new_run_id)
+        return await self.get_run_async(forked)
+
+    def fork(
+        self,
+        run_id: str,
+        *,
+        at: str | None = None,
+        replay: ReplayMode = ReplayMode.DISABLED,
+        new_run_id: str | None = None,
+    ) -> Run:
+        """A new queued run of this code whose history, up to ``at``, is ``run_id``'s.
+
+        ``at`` is a step id (or checkpoint id) of the source; every call the source settled
+        up to it is the fork's own recorded call (tool calls under the fork's own keys),
+        and without ``at`` all of them are. Past that, each new tool call follows
+        ``replay``: ``DISABLED`` pauses the fork (``replay_blocked``) before anything is
+        sent; ``RECORDED`` answers from the source's ledger (same step id, same input) or
+        pauses; ``SANDBOX`` calls the tool's ``sandbox=``; ``LIVE_WITH_NEW_APPROVAL`` makes
+        the effect for real after a fresh approval bound to the fork. Works on finished
+        runs too: the way to continue one with new code.
+
+        Example::
+
+            trial = app.fork(run.run_id, at="plan#1", replay=durably.ReplayMode.SANDBOX)
+            app.worker().run(until_idle=True)
+        """
+        return self._loop.call(
+            self.fork_async(run_id, at=at, replay=replay, new_run_id=new_run_id)
+        )
 
     async def describe_async(self, run_id: str) -> dict[str, Any]:
         """Everything about a run as plain JSON: the document behind ``runs show --json``."""

@@ -126,6 +126,7 @@ class ToolDef:
     reconcile_for: timedelta = timedelta(minutes=15)
     on_rejected: Callable[[ApprovalRejected], Any] | None = None
     control_flow: tuple[type[BaseException], ...] = ()
+    sandbox: Callable[..., Any] | None = None
 
     def is_control_flow(self, exc: BaseException) -> bool:
         """Whether ``exc`` is a framework's control flow raised by the tool (ask the model

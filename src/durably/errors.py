@@ -17,6 +17,7 @@
     │   ├── LeaseLostError          another worker owns the run now; this one must stop
     │   ├── CheckpointCorrupted     checksum mismatch and no verified fallback
     │   ├── NotAwaited              the workflow returned leaving a call un-awaited
+    │   ├── ReplayBlocked           a fork's call would make a real effect its mode forbids
     │   └── BudgetExceeded          a run went over its budget (the run pauses with it)
     ├── StoreError                  the database, not the request
     │   ├── StoreUnavailable        the database cannot be reached or refused the transaction
@@ -127,6 +128,12 @@ class CheckpointCorrupted(RunStopError):
 class NotAwaited(RunStopError):
     """The workflow returned while a step or tool call it created was never awaited (a
     missing ``await``): that call never happened, so the run pauses instead of completing."""
+
+
+class ReplayBlocked(RunStopError):
+    """A fork reached a tool call that would make a real effect, and its replay mode does
+    not allow it (``DISABLED``; ``RECORDED`` with nothing recorded; ``SANDBOX`` without a
+    sandbox): nothing was sent and the fork pauses."""
 
 
 class SchemaTooNew(StoreError):

@@ -27,6 +27,7 @@ from durably.errors import (
     NotAwaited,
     NotJSONSerializable,
     PayloadTooLarge,
+    ReplayBlocked,
     StepFailed,
     StoreUnavailable,
 )
@@ -59,6 +60,7 @@ _PAUSE_REASONS: dict[type[BaseException], PauseReason] = {
     IdempotencyConflict: PauseReason.IDEMPOTENCY_CONFLICT,
     CheckpointCorrupted: PauseReason.CHECKPOINT_CORRUPTED,
     NotAwaited: PauseReason.CALL_NOT_AWAITED,
+    ReplayBlocked: PauseReason.REPLAY_BLOCKED,
 }
 
 

@@ -93,6 +93,8 @@ class PauseReason(StrEnum):
     RESULT_NOT_STORABLE = "result_not_storable"
     """A tool took effect but returned a value no store can hold; an operator records the
     service's real outcome with ``resolve --succeeded --result``."""
+    REPLAY_BLOCKED = "replay_blocked"
+    """A fork reached a call its replay mode does not let through; nothing was sent."""
     CALL_NOT_AWAITED = "call_not_awaited"
     """The workflow returned leaving a step or tool call it created un-awaited (a missing
     ``await``): that call never happened; fix the code, then ``resume``."""

@@ -172,6 +172,7 @@ def test_unknown_run_is_404_everywhere(h: Harness) -> None:
         ("POST", "/api/runs/nope/effects/charge%231/resolve", {"outcome": "not_executed"}),
         ("POST", "/api/runs/nope/resume", None),
         ("POST", "/api/runs/nope/cancel", None),
+        ("POST", "/api/runs/nope/fork", None),
     ]
     for method, path, body in calls:
         r = h.client.request(method, path, json=body, headers=AUTH)
@@ -265,6 +266,27 @@ def test_resume_and_cancel(h: Harness) -> None:
     assert resumed.json()["error"] == "InvalidTransition"
 
 
+def test_fork(h: Harness) -> None:
+    rid = h.waiting("summing", 2, run_id="s-9")
+    r = h.client.post(
+        f"/api/runs/{rid}/fork", json={"replay": "RECORDED", "run_id": "f-9"}, headers=AUTH
+    )
+    assert r.status_code == 200, r.text
+    assert (r.json()["run_id"], r.json()["status"]) == ("f-9", "queued")
+    h.work()
+    assert h.client.get("/api/runs/f-9").json()["result"] == 2
+    bad = [
+        ({"replay": "SOMETIMES"}, 422),
+        ({"at": "nope#1"}, 422),
+        ({"run_id": "f-9"}, 422),
+        ({"typo": 1}, 422),
+    ]
+    for body, status in bad:
+        refused = h.client.post(f"/api/runs/{rid}/fork", json=body, headers=AUTH)
+        assert refused.status_code == status, (body, refused.text)
+        assert refused.json()["message"]
+
+
 # -- auth -------------------------------------------------------------------------------------
 
 MUTATING: list[tuple[str, dict[str, Any] | None]] = [
@@ -275,6 +297,7 @@ MUTATING: list[tuple[str, dict[str, Any] | None]] = [
     ("/api/runs/{rid}/effects/charge%231/resolve", {"outcome": "not_executed"}),
     ("/api/runs/{rid}/resume", None),
     ("/api/runs/{rid}/cancel", None),
+    ("/api/runs/{rid}/fork", {"run_id": "fork-auth"}),
 ]
 
 

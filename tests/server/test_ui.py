@@ -176,6 +176,32 @@ def test_resolve_an_unknown_effect_then_resume(
     assert done.result == {"charge_id": "ch-found-by-hand"}
 
 
+def test_fork_a_finished_run_from_its_page(console: Console, page: Page) -> None:
+    """A completed run forked with its recorded answers: the page goes to the fork, which a
+    worker then completes without sending anything again."""
+    app = console.app
+    run = app.run("mail_report", to="lead@example.com")
+    app.approve(run.run_id, by="alice")
+    assert app.resume(run.run_id).status == durably.RunStatus.COMPLETED
+
+    page.goto(f"{console.url}/runs/{run.run_id}")
+    form = page.locator("form.fork-form")
+    form.locator("select[name=replay]").select_option("RECORDED")
+    form.get_by_role("button", name="Fork run").click()
+    expect(page.locator("#run-status")).to_have_text("queued")
+    forked = page.locator("h1").inner_text()
+    assert forked != run.run_id
+    assert app.work_until_idle() == 1
+    page.reload()
+    expect(page.locator("#run-status")).to_have_text("completed")
+    assert app.get_run(forked).result == {"message_id": "msg-lead@example.com"}
+
+    page.goto(f"{console.url}/runs/{run.run_id}")
+    page.locator("form.fork-form input[name=at]").fill("nope#1")
+    page.get_by_role("button", name="Fork run").click()
+    expect(page.locator("form.fork-form .form-error")).to_contain_text("no settled step")
+
+
 def test_api_errors_are_shown_inline(console: Console, page: Page) -> None:
     app = console.app
     run = app.run("mail_report", to="ops@example.com")

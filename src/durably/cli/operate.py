@@ -1,5 +1,5 @@
 """An operator acting on one run: ``approve``/``reject`` its pending approval, ``resolve``
-an unknown effect by hand, ``resume`` it, send it an ``event``, or ``cancel`` it."""
+an unknown effect by hand, ``resume`` it, send it an ``event``, ``cancel`` it, or ``fork`` it."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from durably.cli.base import (
     run_coro,
 )
 from durably.cli.render import echo, echo_decision, echo_json, echo_run
+from durably.status import ReplayMode
 
 Outcome = Literal["succeeded", "not_executed", "failed"]
 Decision = Literal["approved", "rejected"]
@@ -184,3 +185,29 @@ def cancel(config: Config, run_id: str, compensate: bool, as_json: bool) -> None
             f"note: a worker holds {run.run_id}; it cancels the run at its next call boundary "
             f"(check with `durably runs show {run.run_id}`)"
         )
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--at", metavar="STEP_ID", help="Fork after this step (or checkpoint) of RUN_ID.")
+@click.option(
+    "--replay",
+    type=click.Choice([m.value for m in ReplayMode], case_sensitive=False),
+    default=ReplayMode.DISABLED.value,
+    show_default=True,
+    help="What a new tool call past the fork point does: DISABLED pauses before sending, "
+    "RECORDED answers from RUN_ID's ledger, SANDBOX calls the tool's sandbox, "
+    "LIVE_WITH_NEW_APPROVAL sends after a fresh approval.",
+)
+@click.option("--run-id", "new_run_id", metavar="ID", help="The fork's run id (default: new).")
+@click.option("--json", "as_json", is_flag=True, help="Print the fork as JSON.")
+@pass_config
+def fork(
+    config: Config, run_id: str, at: str | None, replay: str, new_run_id: str | None, as_json: bool
+) -> None:
+    """Fork RUN_ID: a new queued run of this code whose history, up to --at, is RUN_ID's.
+    A worker executes it; nothing real is sent past the fork point unless --replay says so."""
+    app = config.app()
+    mode = ReplayMode(replay.upper())
+    run = run_coro(app, lambda: app.fork_async(run_id, at=at, replay=mode, new_run_id=new_run_id))
+    echo_run(run, as_json)

@@ -36,7 +36,7 @@ class Approving(EffectCore):
         be approved and unexpired; otherwise a new one is requested and the run waits.
         The store judges expiry again, by its clock, when the claim consumes it.
         """
-        if not self.tool.requires_approval:
+        if not self._needs_approval():
             return None
         ctx = self.ctx
         requests = ctx.approvals.get(self.step_id, [])

@@ -20,7 +20,7 @@ from durably.keys import (
 )
 from durably.reconcile import Operation
 from durably.redaction import redact, scrub
-from durably.status import FailureCategory, OperationStatus, RunStatus, StepStatus
+from durably.status import FailureCategory, OperationStatus, ReplayMode, RunStatus, StepStatus
 from durably.store.base import (
     ApprovalUse,
     EventWrite,
@@ -266,6 +266,16 @@ class EffectCore:
             external_operation_id=op.external_operation_id,
             attempt=op.attempt,
             result=result,
+        )
+
+    def _replay_mode(self) -> ReplayMode | None:
+        """The replay mode of the fork this call is in (None: not a fork)."""
+        fork = self.ctx.run.input.get("fork")
+        return ReplayMode(fork["replay"]) if isinstance(fork, dict) else None
+
+    def _needs_approval(self) -> bool:
+        return self.tool.requires_approval or (
+            self._replay_mode() is ReplayMode.LIVE_WITH_NEW_APPROVAL
         )
 
     def _scrub(self, text: str) -> str:

@@ -23,6 +23,7 @@ from durably.definitions import invoke
 from durably.effect.approval import Approving
 from durably.effect.reconciliation import Reconciling
 from durably.effect.recording import Recording
+from durably.effect.replay import Replaying
 from durably.errors import (
     ApprovalExpired,
     ApprovalRejected,
@@ -41,7 +42,7 @@ from durably.values import storable_text
 log = logging.getLogger("durably")
 
 
-class Effect(Reconciling, Approving, Recording):
+class Effect(Replaying, Reconciling, Approving, Recording):
     """One tool call inside a run, driven through the ledger until it settles."""
 
     async def settle(self) -> Any:
@@ -75,6 +76,8 @@ class Effect(Reconciling, Approving, Recording):
                 can_reconcile=self.tool.can_reconcile,
             )
             if action is Action.PREPARE:
+                if await self._replay_gate():
+                    continue  # answered from the source run's ledger
                 use = await self._approval()
                 try:
                     await self._prepare(use)
@@ -149,7 +152,7 @@ class Effect(Reconciling, Approving, Recording):
         external_ids: list[str] = []  # durably.external_id() inside the tool appends
         ids_token = context._external_ids.set(external_ids)
         try:
-            call = invoke(self.tool.fn, *self.args, **self.kwargs)
+            call = invoke(self._target(), *self.args, **self.kwargs)
             if self.tool.timeout is not None:
                 result = await asyncio.wait_for(call, self.tool.timeout.total_seconds())
             else:
@@ -172,7 +175,10 @@ class Effect(Reconciling, Approving, Recording):
             context._external_ids.reset(ids_token)
         returned_at = time.monotonic()
         faults.crash_point("effect.after_call")
-        await self._record_success(result, known_id=external_ids[-1] if external_ids else None)
+        payload: dict[str, Any] = {"sandbox": True} if self.sandboxed else {}
+        await self._record_success(
+            result, known_id=external_ids[-1] if external_ids else None, **payload
+        )
         self.ctx.engine.metrics.checkpoint_lag.observe(time.monotonic() - returned_at)
         faults.crash_point("effect.after_record")
 

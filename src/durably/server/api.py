@@ -21,7 +21,7 @@ from durably.app import App
 from durably.errors import DurablyError, InvalidInput
 from durably.server.errors import DurablyRoute, ErrorOut, error_response
 from durably.server.settings import durably_app
-from durably.status import RunStatus
+from durably.status import ReplayMode, RunStatus
 from durably.store.base import Approval, Event
 from durably.values import MAX_JSON_DEPTH
 from durably.views import Run
@@ -284,6 +284,21 @@ class CancelIn(BaseModel):
     )
 
 
+class ForkIn(BaseModel):
+    model_config = _STRICT
+
+    at: str | None = Field(
+        default=None,
+        max_length=1000,
+        description="The source's step id (or checkpoint id) to fork after; none: all it settled.",
+    )
+    # Strict models take enum members only as instances: spelled out, JSON strings pass.
+    replay: Literal["DISABLED", "RECORDED", "SANDBOX", "LIVE_WITH_NEW_APPROVAL"] = Field(
+        default="DISABLED", description="What a new tool call past the fork point does."
+    )
+    run_id: _Id | None = Field(default=None, description="The fork's run id (default: a new one).")
+
+
 class ResumeIn(BaseModel):
     """No options yet; a body, if sent, must be ``{}`` (a typo is refused, not ignored)."""
 
@@ -456,3 +471,14 @@ async def cancel(app: AppDep, run_id: str, body: CancelIn | None = None) -> RunO
     """Cancel a run at its next call boundary (a run held by a worker may still show running)."""
     compensate = body.compensate if body else False
     return RunOut.of(await app.cancel_async(run_id, compensate=compensate))
+
+
+@router.post("/api/runs/{run_id}/fork", tags=["runs"], responses=_MUTATING)
+async def fork(app: AppDep, run_id: str, body: ForkIn | None = None) -> RunOut:
+    """A new queued run whose history, up to ``at``, is this run's; new tool calls past it
+    follow ``replay`` (DISABLED: nothing real is sent)."""
+    spec = body or ForkIn()
+    forked = await app.fork_async(
+        run_id, at=spec.at, replay=ReplayMode(spec.replay), new_run_id=spec.run_id
+    )
+    return RunOut.of(forked)

@@ -104,6 +104,16 @@
       case "resume":
         if (!window.confirm("Resume run " + form.dataset.run + "? It continues now, with its effects.")) return null;
         return { url: run + "/resume", body: {} };
+      case "fork": {
+        var at = (data.get("at") || "").toString().trim();
+        var replay = (data.get("replay") || "DISABLED").toString();
+        if (!window.confirm("Fork run " + form.dataset.run + (at ? " after " + at : "") +
+            "? New tool calls: " + replay + ".")) return null;
+        var spec = { replay: replay };
+        if (at) spec.at = at;
+        // The fork has a page of its own: go there.
+        return { url: run + "/fork", body: spec, next: function (forked) { return "/runs/" + enc(forked.run_id); } };
+      }
       case "cancel": {
         var compensate = data.get("compensate") !== null;
         if (!window.confirm("Cancel this run" + (compensate ? " and compensate its effects" : "") + "? This is final.")) return null;
@@ -128,8 +138,9 @@
         if (!req) return;
         buttons.forEach(function (b) { b.disabled = true; });
         form.classList.add("busy");
-        post(req.url, req.body).then(function () {
-          window.location.reload();
+        post(req.url, req.body).then(function (answer) {
+          if (req.next) window.location.href = req.next(answer);
+          else window.location.reload();
         }).catch(function (e) {
           if (errorBox) errorBox.textContent = e.message;
           buttons.forEach(function (b) { b.disabled = false; });

@@ -1,0 +1,171 @@
+"""Forking a run: a new run that starts with another run's recorded history.
+
+The fork's journal, up to the fork point, is the source's: each call the source settled
+there is recorded in the fork with its result (a tool call under the fork's own idempotency
+key, never the source's). The fork then executes the workflow as this code has it, from the
+top: replay returns the copied results, and every call past them is new. A new tool call is
+governed by the fork's :class:`~durably.ReplayMode` (``effect/replay.py``), so nothing real
+happens unless the mode says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from durably.actions import new_run_id
+from durably.checkpoint import JournalState
+from durably.engine import Engine
+from durably.errors import InvalidInput, RunNotFound
+from durably.keys import KEY_SCHEME, canonical_json, idempotency_key, plain_json, sha256_hex
+from durably.status import OperationStatus, ReplayMode, RunStatus, StepStatus
+from durably.store.base import (
+    EventWrite,
+    Expect,
+    Journal,
+    NewRun,
+    OperationWrite,
+    StepRecord,
+    StepWrite,
+    Transition,
+)
+from durably.values import check_id, check_ref, check_text
+
+
+async def fork(
+    engine: Engine,
+    source_id: str,
+    *,
+    at: str | None,
+    replay: ReplayMode,
+    run_id: str | None,
+) -> str:
+    """Create the fork of ``source_id`` (queued) and return its run id.
+
+    ``at``: the source's step id (or checkpoint id) to fork after; ``None`` keeps every
+    call the source settled.
+    """
+    check_ref(source_id, "run id")
+    if at is not None:
+        check_text(at, "fork point", max_chars=1000)
+    if run_id is not None:
+        check_id(run_id, "run id")
+    store = await engine.open()
+    journal = await store.load_journal(source_id, checkpoints=0)
+    if journal is None:
+        raise RunNotFound(f"no run {source_id!r}", run_id=source_id)
+    source = journal.run
+    wf = engine.registry.workflow_def(source.workflow)
+    kept = await _kept_steps(engine, journal, at)
+    run_input: dict[str, Any] = {
+        "args": source.input.get("args", []),
+        "kwargs": source.input.get("kwargs", {}),
+        "fork": {"of": source_id, "at": at, "replay": replay.value},
+    }
+    input_json = canonical_json(run_input, what="the fork's input", limit=engine.max_payload_bytes)
+    new = NewRun(
+        run_id=run_id or new_run_id(),
+        tenant=source.tenant,
+        workflow=wf.name,
+        workflow_version=wf.version,
+        input=run_input,
+        input_json=input_json,
+        input_hash=sha256_hex(canonical_json({"workflow": wf.name, "input": run_input})),
+        key_scheme=KEY_SCHEME,
+    )
+    record, created = await store.create_run(new)
+    if not created:
+        raise InvalidInput(f"run {new.run_id} exists already; fork under a new run id")
+    ops = {o.step_id: o for o in journal.operations}
+    state = JournalState(run_id=new.run_id, key=engine.secret_key)
+    version = record.state_version
+    for step in kept:
+        output_json = step.output_json or "null"
+        state.settle(step.step_id, output_json)
+        op = ops.get(step.step_id)
+        write = None
+        key = None
+        if step.kind == "tool" and op is not None:
+            tool = engine.registry.tool_def(op.tool)
+            key = idempotency_key(
+                new.tenant,
+                new.run_id,
+                op.plan_version,
+                step.step_id,
+                tool.operation_group or tool.name,
+            )
+            state.effect_completed(key)
+            write = OperationWrite(
+                tenant=new.tenant,
+                idempotency_key=key,
+                run_id=new.run_id,
+                step_id=step.step_id,
+                plan_version=op.plan_version,
+                tool=op.tool,
+                tool_version=op.tool_version,
+                input_hash=op.input_hash,
+                arguments_json=plain_json(op.arguments),
+                status=OperationStatus.SUCCEEDED,
+                result_json=output_json,
+                external_operation_id=op.external_operation_id,
+                attempt=op.attempt,
+            )
+        committed = await store.commit(
+            Expect(new.run_id, version),
+            Transition(
+                events=[
+                    EventWrite(
+                        "step_forked",
+                        step.step_id,
+                        {"from": source_id, "output_hash": sha256_hex(output_json)},
+                    )
+                ],
+                step=StepWrite(
+                    step.step_id,
+                    step.position,
+                    step.kind,
+                    step.name,
+                    StepStatus.SUCCEEDED,
+                    step.input_hash,
+                    output_json=output_json,
+                    idempotency_key=key,
+                    attempts=step.attempts,
+                    settle=True,
+                ),
+                operation=write,
+                checkpoint=state.draft(status=RunStatus.QUEUED.value, current_step=step.step_id),
+            ),
+        )
+        version = committed.state_version
+    return new.run_id
+
+
+async def _kept_steps(engine: Engine, journal: Journal, at: str | None) -> list[StepRecord]:
+    """The source's settled calls, in the order they settled, up to the fork point."""
+    settled = sorted(
+        (
+            s
+            for s in journal.steps
+            if s.settled_sequence is not None and s.status is StepStatus.SUCCEEDED
+        ),
+        key=lambda s: s.settled_sequence or 0,
+    )
+    if at is None:
+        return settled
+    last: int | None = next((s.settled_sequence for s in settled if s.step_id == at), None)
+    if last is None:
+        checkpoints = await engine.store.checkpoints(journal.run.run_id)
+        last = next(
+            (
+                int(c.payload["last_event_sequence"])
+                for c in checkpoints
+                if c.payload.get("checkpoint_id") == at
+            ),
+            None,
+        )
+    if last is None:
+        known = ", ".join(s.step_id for s in settled[-10:]) or "none"
+        raise InvalidInput(
+            f"run {journal.run.run_id} has no settled step or checkpoint {at!r} to fork at; "
+            f"its latest settled steps: {known}"
+        )
+    return [s for s in settled if (s.settled_sequence or 0) <= last]

@@ -1,0 +1,141 @@
+"""Forks: a new run that starts with another run's history, and effects past the fork point
+under its replay mode. What the services received is counted by the tools themselves."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import durably
+from durably import ReplayMode, RunStatus
+
+MakeApp = Callable[..., durably.App]
+
+
+class Shop:
+    """An order is charged, then a confirmation mailed; counts what really happened."""
+
+    def __init__(self, app: durably.App) -> None:
+        self.app = app
+        self.sent: Counter[str] = Counter()
+
+        @app.step()
+        def plan(customer: str) -> dict[str, Any]:
+            return {"customer": customer, "amount": 10}
+
+        @app.tool(idempotent=True)
+        def charge(customer: str, amount: int) -> dict[str, Any]:
+            self.sent[f"charge {customer} {amount}"] += 1
+            return {"charged": amount, "key": durably.idempotency_key()}
+
+        @app.tool(idempotent=True, sandbox=lambda to, body: {"mailed": to, "sandbox": True})
+        def email(to: str, body: str) -> dict[str, Any]:
+            self.sent[f"email {to}"] += 1
+            return {"mailed": to}
+
+        @app.workflow()
+        async def order(customer: str) -> list[Any]:
+            p = await plan(customer)
+            c = await charge(p["customer"], p["amount"])
+            m = await email(customer, f"charged {c['charged']}")
+            return [c["charged"], m]
+
+    def run(self) -> durably.Run:
+        run = self.app.run("order", "ann")
+        assert run.status is RunStatus.COMPLETED
+        assert self.sent == Counter({"charge ann 10": 1, "email ann": 1})
+        return run
+
+    def execute(self, forked: durably.Run) -> durably.Run:
+        assert forked.status is RunStatus.QUEUED
+        self.app.worker().run(until_idle=True)
+        return self.app.get_run(forked.run_id)
+
+
+def keys(app: durably.App, run_id: str) -> dict[str, str]:
+    return {e["step_id"]: e["idempotency_key"] for e in app.describe(run_id)["effects"]}
+
+
+def test_disabled_replay_stops_before_the_first_new_effect(make_app: MakeApp) -> None:
+    app = make_app()
+    shop = Shop(app)
+    source = shop.run()
+    blocked = app.metrics.replay_blocked._value.get()
+    forked = shop.execute(app.fork(source.run_id, at="charge#1"))
+    assert forked.status is RunStatus.PAUSED
+    assert forked.status_reason == "replay_blocked"
+    assert forked.error is not None
+    assert "email at email#1" in forked.error["message"]
+    assert shop.sent == Counter({"charge ann 10": 1, "email ann": 1}), "nothing sent again"
+    assert app.metrics.replay_blocked._value.get() == blocked + 1
+    # The copied charge is the fork's own record, under the fork's own key.
+    assert set(keys(app, forked.run_id)) == {"charge#1"}
+    assert keys(app, forked.run_id)["charge#1"] != keys(app, source.run_id)["charge#1"]
+    steps = {s["step_id"]: s["status"] for s in app.describe(forked.run_id)["steps"]}
+    assert steps == {"plan#1": "succeeded", "charge#1": "succeeded"}
+
+
+def test_recorded_replay_answers_from_the_source_ledger(make_app: MakeApp) -> None:
+    app = make_app()
+    shop = Shop(app)
+    source = shop.run()
+    forked = shop.execute(app.fork(source.run_id, at="plan#1", replay=ReplayMode.RECORDED))
+    assert forked.status is RunStatus.COMPLETED, forked.error
+    assert forked.result == source.result
+    assert shop.sent == Counter({"charge ann 10": 1, "email ann": 1})
+    replayed = [e.step_id for e in app.events(forked.run_id) if e.type == "effect_replayed"]
+    assert replayed == ["charge#1", "email#1"]
+
+
+def test_sandbox_replay_calls_the_sandbox(make_app: MakeApp) -> None:
+    app = make_app()
+    shop = Shop(app)
+    source = shop.run()
+    forked = shop.execute(app.fork(source.run_id, at="charge#1", replay=ReplayMode.SANDBOX))
+    assert forked.status is RunStatus.COMPLETED, forked.error
+    assert forked.result == [10, {"mailed": "ann", "sandbox": True}]
+    assert shop.sent == Counter({"charge ann 10": 1, "email ann": 1})
+
+
+def test_live_replay_needs_a_fresh_approval_bound_to_the_fork(make_app: MakeApp) -> None:
+    app = make_app()
+    shop = Shop(app)
+    source = shop.run()
+    forked = shop.execute(
+        app.fork(source.run_id, at="charge#1", replay=ReplayMode.LIVE_WITH_NEW_APPROVAL)
+    )
+    assert forked.status is RunStatus.WAITING_APPROVAL
+    assert forked.waiting_for is not None
+    assert forked.waiting_for["tool"] == "email"
+    assert shop.sent == Counter({"charge ann 10": 1, "email ann": 1})
+    app.approve(forked.run_id, by="ana")
+    done = app.resume(forked.run_id)
+    assert done.status is RunStatus.COMPLETED, done.error
+    assert shop.sent == Counter({"charge ann 10": 1, "email ann": 2})
+    assert keys(app, forked.run_id)["email#1"] != keys(app, source.run_id)["email#1"]
+
+
+def test_a_fork_without_a_point_keeps_everything_and_runs_new_code(make_app: MakeApp) -> None:
+    """A finished run continued with new code: the recorded calls are kept, the new one
+    is blocked (DISABLED) rather than made."""
+    app = make_app()
+    shop = Shop(app)
+    source = shop.run()
+    forked = shop.execute(app.fork(source.run_id))
+    assert forked.status is RunStatus.COMPLETED
+    assert forked.result == source.result
+    assert shop.sent == Counter({"charge ann 10": 1, "email ann": 1})
+
+
+@pytest.mark.parametrize("at", ["nope#1", "email#2"])
+def test_an_unknown_fork_point_is_refused(make_app: MakeApp, at: str) -> None:
+    app = make_app()
+    shop = Shop(app)
+    source = shop.run()
+    with pytest.raises(durably.InvalidInput, match="no settled step or checkpoint"):
+        app.fork(source.run_id, at=at)
+    with pytest.raises(durably.RunNotFound):
+        app.fork("run_missing")
