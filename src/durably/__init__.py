@@ -63,7 +63,7 @@ from durably.store.base import Approval, Event
 from durably.subscription import Subscription
 from durably.views import Run
 from durably.waits import approval, replan, sleep, wait_for_event
-from durably.workflow_api import charge, compensate, gather
+from durably.workflow_api import charge, compensate, gather, patched
 
 __all__ = [
     "App",
@@ -122,6 +122,7 @@ __all__ = [
     "fencing_token",
     "gather",
     "idempotency_key",
+    "patched",
     "register_checkpoint_migration",
     "replan",
     "sleep",

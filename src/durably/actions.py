@@ -101,11 +101,12 @@ async def execute(engine: Engine, run_id: str, *, owner: str | None = None) -> N
     if record is None:
         raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
     wf = engine.registry.workflow_def(record.workflow)
-    if record.workflow_version != wf.version:
+    if not wf.runs(record.workflow_version):
         raise ConfigurationError(
             f"run {run_id} is pinned to {wf.name} version {record.workflow_version!r}, but "
             f"this code has version {wf.version!r}; run it with a worker that has that "
-            "version (runs never switch code mid-flight)",
+            "version, or register this one with migrates_from=["
+            f"{record.workflow_version!r}] and its new paths behind durably.patched()",
             run_id=run_id,
         )
     claim = await store.claim_run(

@@ -178,11 +178,20 @@ class App:
     # -- registration -------------------------------------------------------------------
 
     def workflow(
-        self, *, name: str | None = None, version: str = "1", budget: Budget | None = None
+        self,
+        *,
+        name: str | None = None,
+        version: str = "1",
+        budget: Budget | None = None,
+        migrates_from: Sequence[str] = (),
     ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
         """Register an ``async def`` as a workflow; its runs are pinned to ``version``.
 
-        ``budget`` limits each run (steps, tool calls, reported tokens and cost)."""
+        ``budget`` limits each run (steps, tool calls, reported tokens and cost).
+        ``migrates_from``: older versions whose in-flight runs this code takes over; each
+        change that would make such a run call something else goes behind
+        ``if durably.patched("name"):``, so a run recorded before it replays the old path.
+        """
 
         def register(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
             if not inspect.iscoroutinefunction(fn):
@@ -192,7 +201,11 @@ class App:
                 raise ConfigurationError(
                     f"workflow {wf_name}: version {version!r} is empty or has '|'"
                 )
-            self._registry.add_workflow(WorkflowDef(wf_name, fn, version, budget or Budget()))
+            if isinstance(migrates_from, str):
+                raise ConfigurationError(f"workflow {wf_name}: migrates_from= takes a list")
+            self._registry.add_workflow(
+                WorkflowDef(wf_name, fn, version, budget or Budget(), tuple(migrates_from))
+            )
             fn.__durably_workflow__ = wf_name  # type: ignore[attr-defined]
             return fn
 

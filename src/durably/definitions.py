@@ -76,6 +76,13 @@ class WorkflowDef:
     fn: Callable[..., Any]
     version: str
     budget: Budget = field(default_factory=Budget)
+    migrates_from: tuple[str, ...] = ()
+    """Older versions whose in-flight runs this code continues (its new paths behind
+    ``durably.patched()``)."""
+
+    def runs(self, version: str) -> bool:
+        """Whether this code may execute a run pinned to ``version``."""
+        return version == self.version or version in self.migrates_from
 
 
 @dataclass(frozen=True)

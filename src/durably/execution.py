@@ -114,6 +114,8 @@ class RunContext:
     id are recorded at position 0 and matched by their id alone."""
     reached: list[str] = field(default_factory=list)
     """Step ids allocated in this execution, in order."""
+    patches: dict[str, bool] = field(default_factory=dict)
+    """``durably.patched()`` decisions of this execution, by marker step id."""
     unawaited: dict[str, tuple[str, Coroutine[Any, Any, Any]]] = field(default_factory=dict)
     """Calls created (their step id allocated) but not awaited yet, by step id: one left
     at the end of the workflow is a missing ``await``, and its effect never happened."""

@@ -73,4 +73,8 @@ class Registry:
     @property
     def versions(self) -> list[str]:
         """The registered workflows as ``"<name>|<version>"``: what this code can run."""
-        return sorted(f"{w.name}|{w.version}" for w in self._workflows.values())
+        return sorted(
+            f"{w.name}|{version}"
+            for w in self._workflows.values()
+            for version in (w.version, *w.migrates_from)
+        )

@@ -10,6 +10,12 @@ from typing import Any
 from durably import context, effect
 from durably.errors import InvalidInput
 from durably.execution import Scope
+from durably.keys import sha256_hex
+from durably.status import RunStatus, StepStatus
+from durably.store.base import EventWrite, StepWrite, Transition
+from durably.values import check_text
+
+PATCH = "durably.patch"
 
 
 async def charge(*, tokens: int = 0, cost: float = 0.0) -> None:
@@ -77,3 +83,55 @@ async def gather(*branches: Awaitable[Any], return_exceptions: bool = False) -> 
 async def _in_scope(scope: Scope, branch: Awaitable[Any]) -> Any:
     scope.enter()  # this branch's task has its own copy of the context
     return await branch
+
+
+async def patched(name: str) -> bool:
+    """Whether this run takes the code path introduced by the change ``name``.
+
+    For a workflow registered with ``migrates_from=[...]``, taking over runs that older code
+    started: a run that had already recorded calls past this point (it started before the
+    change) gets ``False`` and replays the old path; a run that reaches this point at the
+    edge of its history gets ``True``, and the choice is recorded, so every later replay of
+    it takes the new path too. Once no run of the old version is left, remove the branch.
+
+    Example::
+
+        @app.workflow(version="2", migrates_from=["1"])
+        async def order(customer: str) -> dict:
+            plan = await make_plan(customer)
+            if await durably.patched("fraud-check"):
+                await check_fraud(customer)
+            return await place_order(plan)
+    """
+    check_text(name, "patch name")
+    if "|" in name:
+        raise InvalidInput(f"patch name {name!r} contains '|'")
+    ctx = context.active()
+    ctx.check_running()
+    step_id = f"{PATCH}:{name}"
+    if step_id in ctx.steps:
+        return True
+    if step_id in ctx.patches:
+        return ctx.patches[step_id]
+    reached = set(ctx.reached)
+    replaying = any(s not in reached and s.partition(":")[0] != PATCH for s in ctx.steps)
+    ctx.patches[step_id] = not replaying
+    if not replaying:
+        await ctx.commit(
+            lambda: Transition(
+                events=[EventWrite("patch_applied", step_id, {"name": name})],
+                step=StepWrite(
+                    step_id,
+                    0,
+                    "step",
+                    PATCH,
+                    StepStatus.SUCCEEDED,
+                    sha256_hex(name),
+                    output_json="true",
+                    settle=True,
+                ),
+                checkpoint=ctx.journal.draft(status=RunStatus.RUNNING, current_step=step_id),
+            ),
+            settle=(step_id, "true"),
+        )
+    return not replaying
