@@ -32,6 +32,7 @@ def test_errors_can_be_caught_by_kind() -> None:
             "CheckpointCorrupted",
             "BudgetExceeded",
             "NotAwaited",
+            "ReplayBlocked",
         },
     }
     for group, members in groups.items():
