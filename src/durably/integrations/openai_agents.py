@@ -24,14 +24,11 @@ See ``docs/integrations.md`` for what is guaranteed.
 
 from __future__ import annotations
 
-import inspect
 import json
-import typing
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from typing import Any
 
-import pydantic_core
 from agents import (
     Agent,
     AgentOutputSchemaBase,
@@ -57,6 +54,13 @@ from pydantic import TypeAdapter
 
 import durably
 from durably import ConfigurationError, Durable, RetryPolicy
+from durably.integrations._common import (
+    jsonable,
+    opaque,
+    step_name,
+    tool_function,
+    without_none,
+)
 
 __all__ = [
     "DurableModel",
@@ -106,32 +110,12 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> FunctionTool:
             raise ConfigurationError(
                 f"durable_tool({tool.definition.name}, {option}=...): {instead}"
             )
-    fn = tool.fn
-    signature = inspect.signature(fn)
-    # Resolved here: the SDK reads the wrapper's annotations, which live in another module.
-    hints = typing.get_type_hints(fn, include_extras=True)
-    parameters = [
-        p.replace(annotation=hints.get(p.name, p.annotation)) for p in signature.parameters.values()
-    ]
-    context = inspect.Parameter(
-        _CONTEXT_PARAMETER, inspect.Parameter.POSITIONAL_ONLY, annotation=ToolContext
-    )
 
     async def invoke(tool_context: ToolContext[Any], /, *args: Any, **kwargs: Any) -> str:
         result = await tool.with_step_id(tool_context.tool_call_id)(*args, **kwargs)
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
-    wrapper: Any = invoke
-    wrapper.__signature__ = signature.replace(
-        parameters=[context, *parameters], return_annotation=str
-    )
-    wrapper.__annotations__ = {
-        _CONTEXT_PARAMETER: ToolContext,
-        **{p.name: p.annotation for p in parameters if p.annotation is not p.empty},
-        "return": str,
-    }
-    for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
-        setattr(wrapper, attribute, getattr(fn, attribute, None))
+    wrapper = tool_function(invoke, tool.fn, context=(_CONTEXT_PARAMETER, ToolContext), returns=str)
     options.setdefault("name_override", tool.definition.name)
     built: FunctionTool = function_tool(wrapper, **options)
     return built
@@ -160,7 +144,7 @@ class DurableModel(Model):
     ) -> None:
         self.app = app
         self.model: Model = model.model if isinstance(model, DurableModel) else model
-        self.step_name = "model:" + _step_name(name or _model_name(self.model))
+        self.step_name = "model:" + step_name(name or _model_name(self.model))
         self.retry = retry
 
     async def get_response(
@@ -315,19 +299,19 @@ def canonical_request(
         "tools": [_tool(t) for t in tools],
         "output_schema": _output_schema(output_schema),
         "handoffs": [_handoff(h) for h in handoffs],
-        "prompt": _plain(prompt),
+        "prompt": _json_of(prompt),
     }
 
 
 def _input_item(item: Any) -> Any:
-    plain = _plain(item)
+    plain = _json_of(item)
     if isinstance(plain, dict):
         plain.pop("id", None)
     return plain
 
 
 def _settings(settings: ModelSettings) -> Any:
-    plain = _plain(settings)
+    plain = _json_of(settings)
     for extra in ("extra_args", "extra_body"):
         values = plain.get(extra)
         if isinstance(values, dict):
@@ -343,17 +327,17 @@ def _tool(tool: Tool) -> Any:
         return {
             "function": tool.qualified_name,
             "description": tool.description,
-            "parameters": _plain(tool.params_json_schema),
+            "parameters": _json_of(tool.params_json_schema),
             "strict": tool.strict_json_schema,
         }
-    return {"tool": _opaque(tool), "config": _plain(tool)}
+    return {"tool": opaque(tool), "config": _json_of(tool)}
 
 
 def _handoff(handoff: Handoff) -> Any:
     return {
         "handoff": handoff.tool_name,
         "description": handoff.tool_description,
-        "parameters": _plain(handoff.input_json_schema),
+        "parameters": _json_of(handoff.input_json_schema),
         "agent": handoff.agent_name,
         "strict": handoff.strict_json_schema,
     }
@@ -367,40 +351,13 @@ def _output_schema(schema: AgentOutputSchemaBase | None) -> Any:
         "name": schema.name(),
         "plain_text": plain_text,
         "strict": schema.is_strict_json_schema(),
-        "schema": None if plain_text else _plain(schema.json_schema()),
+        "schema": None if plain_text else _json_of(schema.json_schema()),
     }
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as JSON without None fields; what is not JSON counts by its type only."""
-    try:
-        plain = pydantic_core.to_jsonable_python(value, fallback=_opaque)
-    except (pydantic_core.PydanticSerializationError, TypeError, ValueError):
-        return _opaque(value)
-    return _without_none(plain)
-
-
-def _without_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _without_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_none(v) for v in value]
-    return value
-
-
-def _opaque(value: Any) -> str:
-    kind = type(value)
-    return f"<{kind.__module__}.{kind.__qualname__}>"
 
 
 def _model_name(model: Model) -> str:
     name = getattr(model, "model", None)
     return name if isinstance(name, str) and name else type(model).__name__
-
-
-def _step_name(name: str) -> str:
-    # '#' and '|' delimit step ids and keys.
-    return name.replace("#", "_").replace("|", "_")
 
 
 # -- the runner ---------------------------------------------------------------------------
@@ -485,3 +442,7 @@ def _reachable(agent: Agent[Any]) -> Iterator[Agent[Any]]:
             target = ref() if callable(ref) else None
             if isinstance(target, Agent):
                 pending.append(target)
+
+
+def _json_of(value: Any) -> Any:
+    return without_none(jsonable(value))
