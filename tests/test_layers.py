@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "durably.worker": 3,
     "durably.subscription": 3,
     # the facade
+    "durably.registration": 4,
     "durably.app": 4,
     # the console, over the facade
     "durably.server": 5,

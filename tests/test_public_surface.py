@@ -49,7 +49,13 @@ def surface() -> dict[str, Any]:
         obj = getattr(durably, name)
         if inspect.isclass(obj):
             entry: dict[str, Any] = {"init": _signature(obj)}
-            for attr, member in sorted(vars(obj).items()):
+            # Members of durably's own classes in the MRO too (App's registering half, say),
+            # the most derived winning; not those of Exception or object.
+            members: dict[str, Any] = {}
+            for klass in reversed(obj.__mro__):
+                if klass.__module__.partition(".")[0] == "durably":
+                    members.update(vars(klass))
+            for attr, member in sorted(members.items()):
                 if attr.startswith("_"):
                     continue
                 if isinstance(member, property):

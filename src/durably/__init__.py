@@ -8,7 +8,7 @@ goes to a person; durably never guesses.
 
 from __future__ import annotations
 
-from durably.app import App, Durable
+from durably.app import App
 from durably.checkpoint import Checkpoint, register_checkpoint_migration
 from durably.context import (
     RunInfo,
@@ -51,6 +51,7 @@ from durably.errors import (
 )
 from durably.faults import crash_point
 from durably.reconcile import Operation, Reconciliation
+from durably.registration import Durable
 from durably.status import (
     FailureCategory,
     OperationStatus,
