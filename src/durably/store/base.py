@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from durably.checkpoint import CheckpointDraft
-from durably.errors import InvalidTransition, LeaseLostError, RunNotFound
 from durably.status import OperationStatus, RunStatus, StepStatus
 
 RUNNABLE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RECONCILING)
@@ -27,14 +25,6 @@ CLAIMABLE = RUNNABLE + WAITING
 """Claimed once ``available_at`` is due: a waiting run's is its timer or wait timeout."""
 FAR_FUTURE = 1e15
 """``available_at`` of a wait without timeout: only an event makes the run due."""
-
-
-Row = Any
-"""A database row addressable by column name (sqlite3.Row, a psycopg dict row)."""
-
-
-def loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
 
 
 @dataclass(frozen=True)
@@ -460,185 +450,9 @@ class Store(abc.ABC):
         return False
 
 
-def lease_lost(lease: Lease) -> LeaseLostError:
-    return LeaseLostError(
-        f"lease on run {lease.run_id} (owner {lease.owner}, epoch {lease.epoch}) was lost: "
-        "another worker took the run over; this worker stops working on it",
-        run_id=lease.run_id,
-    )
-
-
-# -- rows to records (both backends name their columns alike) ------------------------
-
-
 def shown_url(url: str) -> str:
     """``url`` fit for an error message, a log line or an API answer: without its password.
 
     A pattern, not a URL parser: it must also work on the malformed URLs it reports.
     """
     return re.sub(r"(//[^/?#@:]*:)[^/?#@]*@", r"\1***@", url)
-
-
-def run_from_row(r: Row) -> RunRecord:
-    return RunRecord(
-        run_id=r["run_id"],
-        tenant=r["tenant_id"],
-        workflow=r["workflow"],
-        workflow_version=r["workflow_version"],
-        plan_version=r["plan_version"],
-        status=RunStatus(r["status"]),
-        status_reason=r["status_reason"],
-        input=loads(r["input_json"]),
-        input_hash=r["input_hash"],
-        result_json=r["result_json"],
-        error=loads(r["error_json"]),
-        waiting_for=loads(r["waiting_for_json"]),
-        lease_owner=r["lease_owner"],
-        lease_until=r["lease_until"],
-        lease_epoch=r["lease_epoch"],
-        state_version=r["state_version"],
-        last_sequence=r["last_sequence"],
-        available_at=r["available_at"],
-        created_at=r["created_at"],
-        updated_at=r["updated_at"],
-        cancel_requested=int(r["cancel_requested"]),
-        key_scheme=int(r["key_scheme"]),
-    )
-
-
-def step_from_row(r: Row) -> StepRecord:
-    return StepRecord(
-        run_id=r["run_id"],
-        step_id=r["step_id"],
-        position=r["position"],
-        kind=r["kind"],
-        name=r["name"],
-        status=StepStatus(r["status"]),
-        input_hash=r["input_hash"],
-        output_json=r["output_json"],
-        error=loads(r["error_json"]),
-        idempotency_key=r["idempotency_key"],
-        attempts=r["attempts"],
-        settled_sequence=r["settled_sequence"],
-        created_at=r["created_at"],
-        updated_at=r["updated_at"],
-    )
-
-
-def operation_from_row(r: Row) -> OperationRecord:
-    return OperationRecord(
-        tenant=r["tenant_id"],
-        idempotency_key=r["idempotency_key"],
-        run_id=r["run_id"],
-        step_id=r["step_id"],
-        plan_version=r["plan_version"],
-        tool=r["tool_name"],
-        tool_version=r["tool_version"],
-        input_hash=r["input_hash"],
-        arguments=loads(r["arguments_json"]),
-        status=OperationStatus(r["status"]),
-        result_json=r["result_json"],
-        error=loads(r["error_json"]),
-        failure_category=r["failure_category"],
-        external_operation_id=r["external_operation_id"],
-        attempt=r["attempt"],
-        lease_owner=r["lease_owner"],
-        lease_until=r["lease_until"],
-        lease_epoch=r["lease_epoch"],
-        row_version=r["row_version"],
-        created_at=r["created_at"],
-        updated_at=r["updated_at"],
-    )
-
-
-def checkpoint_from_row(r: Row) -> StoredCheckpoint:
-    return StoredCheckpoint(payload=loads(r["payload_json"]), checksum=r["checksum"])
-
-
-def signal_from_row(r: Row) -> Signal:
-    return Signal(
-        event_id=r["event_id"],
-        name=r["name"],
-        payload=loads(r["payload_json"]),
-        received_at=r["received_at"],
-    )
-
-
-def approval_from_row(r: Row) -> Approval:
-    return Approval(
-        approval_id=r["approval_id"],
-        run_id=r["run_id"],
-        step_id=r["step_id"],
-        kind=r["kind"],
-        name=r["name"],
-        payload=loads(r["payload_json"]),
-        input_hash=r["input_hash"],
-        idempotency_key=r["idempotency_key"],
-        plan_version=r["plan_version"],
-        status=r["status"],
-        requested_at=r["requested_at"],
-        expires_at=r["expires_at"],
-        decided_at=r["decided_at"],
-        decided_by=r["decided_by"],
-        comment=r["comment"],
-        consumed_at=r["consumed_at"],
-    )
-
-
-def pending_approval(run_id: str, approval_id: str | None, approvals: list[Approval]) -> Approval:
-    """The approval a decision is about, or the InvalidTransition that says why none is."""
-    pending = [a for a in approvals if a.status == "requested"]
-    if approval_id is not None and not pending:
-        if not approvals:
-            raise InvalidTransition(f"run {run_id} has no approval {approval_id!r}", run_id=run_id)
-        done = approvals[0]
-        raise InvalidTransition(
-            f"approval {approval_id} of run {run_id} is already {done.status}"
-            + (f" (by {done.decided_by})" if done.decided_by else "")
-            + "; a decision is recorded once",
-            run_id=run_id,
-        )
-    if not pending:
-        latest = approvals[-1] if approvals else None
-        detail = ""
-        if latest is not None:
-            detail = f"; its latest approval {latest.approval_id} is {latest.status}"
-            if latest.decided_by:
-                detail += f" (by {latest.decided_by})"
-        raise InvalidTransition(f"run {run_id} has no pending approval{detail}", run_id=run_id)
-    if len(pending) > 1:
-        ids = ", ".join(a.approval_id for a in pending)
-        raise InvalidTransition(
-            f"run {run_id} has {len(pending)} pending approvals ({ids}); name one", run_id=run_id
-        )
-    return pending[0]
-
-
-def event_from_row(r: Row) -> Event:
-    return Event(
-        run_id=r["run_id"],
-        sequence=r["sequence"],
-        event_id=f"{r['run_id']}:{r['sequence']}",
-        type=r["type"],
-        step_id=r["step_id"],
-        payload=loads(r["payload_json"]),
-        created_at=r["created_at"],
-    )
-
-
-def wakes(status: str, waiting_for_json: str | None, event_name: str) -> bool:
-    """Whether an event of ``event_name`` ends the run's current wait (both stores' rule)."""
-    waiting = loads(waiting_for_json) or {}
-    return status == RunStatus.WAITING_EXTERNAL and waiting.get("event") == event_name
-
-
-def check_open(run_id: str, run: Row | None) -> None:
-    """Raise unless the run exists and is not finished."""
-    if run is None:
-        raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
-    if RunStatus(run["status"]).is_final:
-        raise InvalidTransition(
-            f"run {run_id} is {run['status']} (final); nothing more can be delivered to it or "
-            "decided for it",
-            run_id=run_id,
-        )

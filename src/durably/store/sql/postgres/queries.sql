@@ -1,0 +1,339 @@
+-- Every statement of the PostgreSQL store, by name: store/queries.py loads them,
+-- store/plans.py orders them. The store's clock is the server's: extract(epoch FROM now()),
+-- the transaction's start. Lists are bound as arrays. The claimable statuses are
+-- store.base.CLAIMABLE, written out so the planner can use the partial index
+-- durably_runs_runnable (tests/store checks them).
+
+-- name: clock
+-- The store's clock, as every statement of the transaction sees it.
+SELECT extract(epoch FROM now()) AS now;
+
+-- name: insert_run
+-- A new queued run, or no row if the run id is taken.
+INSERT INTO durably_runs (run_id, tenant_id, workflow, workflow_version, status, input_json,
+    input_hash, key_scheme, last_sequence, state_version, available_at, created_at, updated_at)
+VALUES (%(run_id)s, %(tenant)s, %(workflow)s, %(workflow_version)s, 'queued', %(input_json)s,
+    %(input_hash)s, %(key_scheme)s, 1, 1, extract(epoch FROM now()), extract(epoch FROM now()),
+    extract(epoch FROM now()))
+ON CONFLICT (run_id) DO NOTHING
+RETURNING *;
+
+-- name: get_run
+-- One run.
+SELECT * FROM durably_runs WHERE run_id = %(run_id)s;
+
+-- name: list_runs
+-- Runs, newest first, optionally of one status and one workflow.
+SELECT * FROM durably_runs
+WHERE (%(status)s::text IS NULL OR status = %(status)s)
+  AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s)
+ORDER BY created_at DESC, run_id LIMIT %(limit)s;
+
+-- name: claim_run
+-- Lease this run if due and not held by another; the row with its lease as it was before.
+WITH candidate AS (
+    SELECT run_id, status AS old_status, lease_owner AS old_owner, lease_until AS old_until
+    FROM durably_runs
+    WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval')
+      AND available_at <= extract(epoch FROM now())
+      AND run_id = %(run_id)s
+      AND (lease_owner IS NULL OR lease_until < extract(epoch FROM now())
+           OR lease_owner = %(owner)s)
+    FOR UPDATE SKIP LOCKED)
+UPDATE durably_runs r SET lease_owner = %(owner)s,
+    lease_until = extract(epoch FROM now()) + %(ttl)s, lease_epoch = r.lease_epoch + 1,
+    state_version = r.state_version + 1, status = 'running',
+    available_at = extract(epoch FROM now()), updated_at = extract(epoch FROM now())
+FROM candidate c WHERE r.run_id = c.run_id
+RETURNING r.*, c.old_status, c.old_owner, c.old_until;
+
+-- name: claim_next
+-- Lease the oldest due, unheld run of these workflows, passing over rows being claimed.
+WITH candidate AS (
+    SELECT run_id, status AS old_status, lease_owner AS old_owner, lease_until AS old_until
+    FROM durably_runs
+    WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval')
+      AND available_at <= extract(epoch FROM now())
+      AND workflow || '|' || workflow_version = ANY(%(workflows)s)
+      AND (lease_owner IS NULL OR lease_until < extract(epoch FROM now()))
+    ORDER BY available_at, created_at LIMIT 1
+    FOR UPDATE SKIP LOCKED)
+UPDATE durably_runs r SET lease_owner = %(owner)s,
+    lease_until = extract(epoch FROM now()) + %(ttl)s, lease_epoch = r.lease_epoch + 1,
+    state_version = r.state_version + 1, status = 'running',
+    available_at = extract(epoch FROM now()), updated_at = extract(epoch FROM now())
+FROM candidate c WHERE r.run_id = c.run_id
+RETURNING r.*, c.old_status, c.old_owner, c.old_until;
+
+-- name: next_sequence
+-- Make room for one event (a recovery's) after a claim.
+UPDATE durably_runs SET last_sequence = last_sequence + 1 WHERE run_id = %(run_id)s;
+
+-- name: heartbeat
+-- Extend the lease if it is still this holder's; no row if it was lost.
+UPDATE durably_runs SET lease_until = extract(epoch FROM now()) + %(ttl)s
+WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+RETURNING lease_until;
+
+-- name: fence_lease
+-- A lease holder's fence: no row unless it holds the run; renews or releases the lease.
+UPDATE durably_runs SET last_sequence = last_sequence + %(events)s,
+    state_version = state_version + 1,
+    lease_until = CASE WHEN %(release)s THEN NULL ELSE extract(epoch FROM now()) + %(ttl)s END,
+    lease_owner = CASE WHEN %(release)s THEN NULL ELSE lease_owner END,
+    updated_at = extract(epoch FROM now())
+WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+RETURNING last_sequence, state_version, lease_until, cancel_requested;
+
+-- name: fence_expect
+-- The fence of an operator's commit: no row unless the run is unchanged and unheld.
+UPDATE durably_runs SET last_sequence = last_sequence + %(events)s,
+    state_version = state_version + 1, updated_at = extract(epoch FROM now())
+WHERE run_id = %(run_id)s AND state_version = %(state_version)s
+  AND (lease_owner IS NULL OR lease_until < extract(epoch FROM now()))
+RETURNING last_sequence, state_version, lease_until, cancel_requested;
+
+-- name: insert_operation
+-- A new tool operation; changes no row if its key is taken (another writer recorded it).
+INSERT INTO durably_tool_operations (tenant_id, idempotency_key, run_id, step_id,
+    plan_version, tool_name, tool_version, input_hash, arguments_json, status, result_json,
+    error_json, failure_category, external_operation_id, attempt, lease_owner, lease_until,
+    lease_epoch, row_version, created_at, updated_at)
+VALUES (%(tenant)s, %(idempotency_key)s, %(run_id)s, %(step_id)s, %(plan_version)s,
+    %(tool)s, %(tool_version)s, %(input_hash)s, %(arguments_json)s, %(status)s,
+    %(result_json)s, %(error_json)s, %(failure_category)s, %(external_operation_id)s,
+    %(attempt)s, %(lease_owner)s,
+    CASE WHEN %(held)s THEN extract(epoch FROM now()) + %(ttl)s ELSE %(send_deadline)s END,
+    %(lease_epoch)s, 1, extract(epoch FROM now()), extract(epoch FROM now()))
+ON CONFLICT DO NOTHING;
+
+-- name: update_operation
+-- A tool operation's next state, if its row is still the version read.
+UPDATE durably_tool_operations SET status = %(status)s, result_json = %(result_json)s,
+    error_json = %(error_json)s, failure_category = %(failure_category)s,
+    external_operation_id = coalesce(%(external_operation_id)s, external_operation_id),
+    attempt = %(attempt)s, lease_owner = %(lease_owner)s,
+    lease_until = CASE WHEN %(held)s THEN extract(epoch FROM now()) + %(ttl)s
+        ELSE %(send_deadline)s END,
+    lease_epoch = %(lease_epoch)s, updated_at = extract(epoch FROM now()),
+    row_version = row_version + 1
+WHERE tenant_id = %(tenant)s AND idempotency_key = %(idempotency_key)s
+  AND row_version = %(expect_row_version)s;
+
+-- name: use_approval
+-- Consume an approval bound to exactly this call, if approved and unexpired.
+UPDATE durably_approvals SET status = 'consumed', consumed_at = extract(epoch FROM now())
+WHERE approval_id = %(approval_id)s AND run_id = %(run_id)s AND status = 'approved'
+  AND expires_at > extract(epoch FROM now()) AND input_hash = %(input_hash)s
+  AND idempotency_key IS NOT DISTINCT FROM %(idempotency_key)s
+  AND plan_version = %(plan_version)s;
+
+-- name: consume_signal
+-- The wait at step_id takes this signal, if nobody took it yet.
+UPDATE durably_signals SET consumed_by = %(step_id)s
+WHERE run_id = %(run_id)s AND event_id = %(event_id)s AND consumed_by IS NULL;
+
+-- name: update_run
+-- The run's new status and what goes with it.
+UPDATE durably_runs SET status = %(status)s, status_reason = %(status_reason)s,
+    result_json = coalesce(%(result_json)s, result_json), error_json = %(error_json)s,
+    waiting_for_json = %(waiting_for_json)s,
+    available_at = coalesce(%(available_at)s, available_at)
+WHERE run_id = %(run_id)s;
+
+-- name: requeue_if_cancelled
+-- A run about to wait stays due if a cancel was requested meanwhile.
+UPDATE durably_runs SET status = 'queued', available_at = extract(epoch FROM now())
+WHERE run_id = %(run_id)s AND cancel_requested > 0;
+
+-- name: set_plan_version
+-- The run's new plan version (durably.replan()).
+UPDATE durably_runs SET plan_version = %(plan_version)s WHERE run_id = %(run_id)s;
+
+-- name: wake_on_signal
+-- A run about to wait for events of this name is due now if one is already there.
+UPDATE durably_runs SET status = 'queued', available_at = extract(epoch FROM now())
+WHERE run_id = %(run_id)s AND EXISTS (SELECT 1 FROM durably_signals
+    WHERE run_id = %(run_id)s AND name = %(name)s AND consumed_by IS NULL);
+
+-- name: supersede_approval
+-- An earlier request of the same call is void: expired if it ran out, else superseded.
+UPDATE durably_approvals SET status = CASE WHEN expires_at <= extract(epoch FROM now())
+    THEN 'expired' ELSE 'superseded' END
+WHERE approval_id = %(approval_id)s AND status IN ('requested', 'approved');
+
+-- name: insert_approval
+-- A new approval request.
+INSERT INTO durably_approvals (approval_id, run_id, step_id, kind, name, payload_json,
+    input_hash, idempotency_key, plan_version, status, requested_at, expires_at)
+VALUES (%(approval_id)s, %(run_id)s, %(step_id)s, %(kind)s, %(name)s, %(payload_json)s,
+    %(input_hash)s, %(idempotency_key)s, %(plan_version)s, 'requested',
+    extract(epoch FROM now()), %(expires_at)s);
+
+-- name: insert_event
+-- One event of the run's log (also the outbox), at a sequence its fence reserved.
+INSERT INTO durably_events (run_id, sequence, type, step_id, payload_json, created_at)
+VALUES (%(run_id)s, %(sequence)s, %(type)s, %(step_id)s, %(payload_json)s,
+    extract(epoch FROM now()));
+
+-- name: upsert_step
+-- A step-ledger row; settled_sequence, once set, stays.
+INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, input_hash,
+    output_json, error_json, idempotency_key, attempts, settled_sequence, created_at,
+    updated_at)
+VALUES (%(run_id)s, %(step_id)s, %(position)s, %(kind)s, %(name)s, %(status)s,
+    %(input_hash)s, %(output_json)s, %(error_json)s, %(idempotency_key)s, %(attempts)s,
+    %(settled_sequence)s, extract(epoch FROM now()), extract(epoch FROM now()))
+ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
+    output_json = excluded.output_json, error_json = excluded.error_json,
+    attempts = excluded.attempts,
+    settled_sequence = coalesce(excluded.settled_sequence, durably_steps.settled_sequence),
+    updated_at = excluded.updated_at;
+
+-- name: insert_checkpoint
+-- The run's state as of this commit.
+INSERT INTO durably_checkpoints (run_id, state_version, last_event_sequence, schema_version,
+    payload_json, checksum, created_at)
+VALUES (%(run_id)s, %(state_version)s, %(last_event_sequence)s, %(schema_version)s,
+    %(payload_json)s, %(checksum)s, extract(epoch FROM now()));
+
+-- name: lock_run
+-- What an operator's write checks first; the lock serialises it with the run's commits.
+SELECT status, waiting_for_json, last_sequence FROM durably_runs WHERE run_id = %(run_id)s
+FOR UPDATE;
+
+-- name: insert_signal
+-- An event sent to an existing, unfinished run, once per event id.
+INSERT INTO durably_signals (run_id, event_id, name, payload_json, received_at)
+SELECT run_id, %(event_id)s, %(name)s, %(payload_json)s, extract(epoch FROM now())
+FROM durably_runs
+WHERE run_id = %(run_id)s AND status NOT IN ('completed', 'failed', 'cancelled')
+ON CONFLICT (run_id, event_id) DO NOTHING;
+
+-- name: bump_run
+-- Make room for an operator's event; the run is queued and due now if due.
+UPDATE durably_runs SET last_sequence = last_sequence + 1, state_version = state_version + 1,
+    updated_at = extract(epoch FROM now()),
+    status = CASE WHEN %(due)s THEN 'queued' ELSE status END,
+    available_at = CASE WHEN %(due)s THEN extract(epoch FROM now()) ELSE available_at END
+WHERE run_id = %(run_id)s;
+
+-- name: approvals
+-- The run's approvals (or the one named), oldest first.
+SELECT * FROM durably_approvals
+WHERE run_id = %(run_id)s AND (%(approval_id)s::text IS NULL OR approval_id = %(approval_id)s)
+ORDER BY requested_at;
+
+-- name: decide_approval
+-- Record a decision (or the expiry found instead).
+UPDATE durably_approvals SET status = %(status)s, decided_at = extract(epoch FROM now()),
+    decided_by = %(by)s, comment = %(comment)s
+WHERE approval_id = %(approval_id)s
+RETURNING *;
+
+-- name: request_cancel
+-- Flag a cancel; a waiting or paused run is queued, and due now unless someone holds it.
+UPDATE durably_runs SET cancel_requested = %(cancel)s, state_version = state_version + 1,
+    updated_at = extract(epoch FROM now()),
+    status = CASE WHEN status IN ('waiting_external', 'waiting_approval', 'paused')
+        THEN 'queued' ELSE status END,
+    available_at = CASE WHEN lease_owner IS NULL OR lease_until < extract(epoch FROM now())
+        THEN extract(epoch FROM now()) ELSE available_at END
+WHERE run_id = %(run_id)s
+RETURNING *;
+
+-- name: steps
+-- The run's step ledger in call order.
+SELECT * FROM durably_steps WHERE run_id = %(run_id)s ORDER BY position;
+
+-- name: operations
+-- The run's tool operations, found through its steps' idempotency keys.
+SELECT o.* FROM durably_steps s
+JOIN durably_runs r ON r.run_id = s.run_id
+JOIN durably_tool_operations o
+  ON o.tenant_id = r.tenant_id AND o.idempotency_key = s.idempotency_key
+WHERE s.run_id = %(run_id)s;
+
+-- name: latest_checkpoints
+-- The run's newest checkpoints.
+SELECT payload_json, checksum FROM durably_checkpoints WHERE run_id = %(run_id)s
+ORDER BY state_version DESC LIMIT %(limit)s;
+
+-- name: checkpoints
+-- All of the run's checkpoints, newest first.
+SELECT payload_json, checksum FROM durably_checkpoints WHERE run_id = %(run_id)s
+ORDER BY state_version DESC;
+
+-- name: pending_signals
+-- Events sent to the run and not consumed yet, in arrival order.
+SELECT * FROM durably_signals WHERE run_id = %(run_id)s AND consumed_by IS NULL
+ORDER BY received_at, event_id;
+
+-- name: events
+-- The run's events after a sequence.
+SELECT * FROM durably_events WHERE run_id = %(run_id)s AND sequence > %(after)s
+ORDER BY sequence;
+
+-- name: next_wakeup
+-- When the next claimable run of these workflows is due, with the server's clock.
+SELECT min(greatest(available_at, coalesce(lease_until, 0))) AS due,
+    extract(epoch FROM now()) AS now
+FROM durably_runs
+WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval')
+  AND workflow || '|' || workflow_version = ANY(%(workflows)s)
+  AND (lease_owner IS NULL OR lease_until < extract(epoch FROM now()));
+
+-- name: unresolved_effects
+-- Per tool: how many effects an operator must settle, and since when.
+SELECT tool_name, count(*) AS n, min(updated_at) AS since FROM durably_tool_operations
+WHERE status IN ('unknown', 'reconciling')
+   OR (status = 'executing' AND lease_until < extract(epoch FROM now()))
+GROUP BY tool_name;
+
+-- name: undelivered
+-- Events a consumer has not acknowledged, but those of the skipped runs.
+SELECT * FROM durably_events e
+WHERE NOT EXISTS (SELECT 1 FROM durably_inbox i
+    WHERE i.consumer = %(consumer)s AND i.event_id = e.run_id || ':' || e.sequence)
+  AND NOT (e.run_id = ANY(%(skip_runs)s))
+ORDER BY e.created_at, e.run_id, e.sequence LIMIT %(limit)s;
+
+-- name: acknowledge
+-- A consumer processed an event (changes no row if it already had).
+INSERT INTO durably_inbox (consumer, event_id, received_at)
+VALUES (%(consumer)s, %(event_id)s, extract(epoch FROM now()))
+ON CONFLICT (consumer, event_id) DO NOTHING;
+
+-- name: notify
+-- Wake the workers asleep on LISTEN (delivered at COMMIT).
+NOTIFY durably_runnable;
+
+-- name: listen
+-- Sleep on runs becoming claimable.
+LISTEN durably_runnable;
+
+-- name: migrations_table
+-- Whether the migrations table exists.
+SELECT to_regclass('durably_schema_migrations') IS NOT NULL;
+
+-- name: schema_version
+-- The newest migration applied.
+SELECT max(version) FROM durably_schema_migrations;
+
+-- name: migration_lock
+-- Concurrent migrators queue here until the transaction ends.
+SELECT pg_advisory_xact_lock(%(lock)s);
+
+-- name: create_migrations_table
+-- Where applied migrations are recorded.
+CREATE TABLE IF NOT EXISTS durably_schema_migrations (version INTEGER PRIMARY KEY,
+    name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL);
+
+-- name: migration_applied
+-- A row if this migration was applied.
+SELECT 1 FROM durably_schema_migrations WHERE version = %(version)s;
+
+-- name: record_migration
+-- This migration is applied.
+INSERT INTO durably_schema_migrations (version, name, applied_at)
+VALUES (%(version)s, %(name)s, extract(epoch FROM now()));

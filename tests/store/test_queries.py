@@ -1,0 +1,91 @@
+"""Each backend's named statements: the same names, the same parameters, the same rules.
+
+The plans (``store/plans.py``) and ``SQLStore`` name statements; each backend's
+``queries.sql`` must hold every one of them, taking the same parameters: only dialect,
+placeholders and the clock differ.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from durably.store.base import CLAIMABLE
+from durably.store.queries import queries
+
+STORE = Path(__file__).resolve().parents[2] / "src" / "durably" / "store"
+OWN = {
+    # SQLite's RETURNING shows only the new row: a claim reads the run, then leases it.
+    "sqlite": {"take_lease"},
+    # LISTEN/NOTIFY and the migrators' advisory lock exist only there.
+    "postgres": {"listen", "notify", "migration_lock"},
+}
+PLACEHOLDER = {
+    "sqlite": re.compile(r"(?<![:\w]):(\w+)"),
+    "postgres": re.compile(r"%\((\w+)\)s"),
+}
+
+
+def named_by_neutral_code() -> set[str]:
+    """Statement names in the backend-neutral modules: ``(name, {params})`` queries and the
+    names given to ``_one`` and ``_claim``."""
+    names: set[str] = set()
+    for module in ("plans.py", "sqlstore.py"):
+        for node in ast.walk(ast.parse((STORE / module).read_text())):
+            first: ast.expr | None = None
+            if isinstance(node, ast.Tuple) and len(node.elts) == 2:
+                first = node.elts[0]
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") in {
+                "_one",
+                "_claim",
+            }:
+                first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                names.add(first.value)
+    return names
+
+
+def parameters(backend: str, sql: str) -> set[str]:
+    return set(PLACEHOLDER[backend].findall(sql)) - {"now"}
+
+
+def test_both_backends_name_the_same_statements() -> None:
+    sqlite, postgres = queries("sqlite"), queries("postgres")
+    assert set(sqlite) - OWN["sqlite"] == set(postgres) - OWN["postgres"]
+
+
+def test_every_statement_the_plans_name_exists() -> None:
+    named = named_by_neutral_code()
+    assert "fence_lease" in named  # the scan works
+    for backend in ("sqlite", "postgres"):
+        missing = named - set(queries(backend))
+        assert not missing, f"sql/{backend}/queries.sql lacks {sorted(missing)}"
+
+
+@pytest.mark.parametrize("name", sorted(set(queries("postgres")) - OWN["postgres"]))
+def test_a_statement_takes_the_same_parameters_in_both_dialects(name: str) -> None:
+    sqlite, postgres = queries("sqlite")[name], queries("postgres")[name]
+    assert "%(" not in sqlite
+    assert not PLACEHOLDER["sqlite"].findall(postgres.replace("::", ""))
+    expected = parameters("postgres", postgres)
+    taken = parameters("sqlite", sqlite)
+    if name.startswith("claim_"):  # SQLite's claim is two statements; its lease takes the rest
+        taken |= parameters("sqlite", queries("sqlite")["take_lease"]) - {"run_id"}
+        expected -= {"run_id"}
+        taken -= {"run_id"}
+    assert taken == expected
+
+
+def test_claimable_statuses_are_the_stores() -> None:
+    claimable = {status.value for status in CLAIMABLE}
+    checked = 0
+    for backend in ("sqlite", "postgres"):
+        for sql in queries(backend).values():
+            for listed in re.findall(r"status IN \(([^)]*'waiting_approval'[^)]*)\)", sql):
+                if "'queued'" in listed:
+                    assert set(re.findall(r"'(\w+)'", listed)) == claimable, sql
+                    checked += 1
+    assert checked == 6  # claim_run, claim_next and next_wakeup, in both dialects
