@@ -8,8 +8,8 @@ from collections.abc import Awaitable
 from typing import Any
 
 from durably import context, effect
+from durably.calls import Scope
 from durably.errors import InvalidInput
-from durably.execution import Scope
 from durably.keys import sha256_hex
 from durably.status import RunStatus, StepStatus
 from durably.store.base import EventWrite, StepWrite, Transition
