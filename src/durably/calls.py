@@ -46,7 +46,7 @@ class CallIdentity:
     steps: dict[str, StepRecord]
     root: Scope
     by_position: dict[tuple[str, int], StepRecord]
-    reached: list[str]
+    reached: dict[str, None]
     unawaited: dict[str, tuple[str, Coroutine[Any, Any, Any]]]
 
     def check_running(self) -> None:
@@ -85,7 +85,7 @@ class CallIdentity:
                     step_id=step_id,
                 )
             )
-        self.reached.append(step_id)
+        self.reached[step_id] = None
         return step_id, position
 
     def created(

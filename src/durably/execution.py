@@ -90,8 +90,9 @@ class RunContext(CallIdentity):
     by_position: dict[tuple[str, int], StepRecord] = field(init=False)
     """Recorded positional calls by (scope prefix, position); calls with an explicit step
     id are recorded at position 0 and matched by their id alone."""
-    reached: list[str] = field(default_factory=list)
-    """Step ids allocated in this execution, in order."""
+    reached: dict[str, None] = field(default_factory=dict)
+    """Step ids allocated in this execution, in order (a dict: a long run checks each new
+    id against all of them)."""
     patches: dict[str, bool] = field(default_factory=dict)
     """``durably.patched()`` decisions of this execution, by marker step id."""
     unawaited: dict[str, tuple[str, Coroutine[Any, Any, Any]]] = field(default_factory=dict)

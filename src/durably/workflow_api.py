@@ -113,8 +113,7 @@ async def patched(name: str) -> bool:
         return True
     if step_id in ctx.patches:
         return ctx.patches[step_id]
-    reached = set(ctx.reached)
-    replaying = any(s not in reached and s.partition(":")[0] != PATCH for s in ctx.steps)
+    replaying = any(s not in ctx.reached and s.partition(":")[0] != PATCH for s in ctx.steps)
     ctx.patches[step_id] = not replaying
     if not replaying:
         await ctx.commit(
