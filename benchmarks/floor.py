@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         if admin is not None:
             admin.close()
     print(render(list(figures.values()), args, time.perf_counter() - started))
+    if fs.in_memory and "sqlite" in args.backends:
+        print("SQLite on a memory filesystem: fsync is free, its targets do not apply")
     if places.retries:
         print(f"{places.retries} measurements taken again: the server restarted under them")
     if args.json:
