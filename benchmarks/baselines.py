@@ -5,6 +5,8 @@
 * PostgreSQL: async psycopg 3 (durably's driver) on one connection, not in autocommit:
   ``INSERT`` then ``commit()``, which psycopg sends as three round trips (BEGIN, INSERT,
   COMMIT); the COMMIT waits for the WAL flush the server's ``synchronous_commit`` asks for.
+  The floor benchmark uses the cheapest correct durable commit instead: an autocommit
+  ``INSERT``, one round trip (:class:`PgFloorWriter`).
 """
 
 from __future__ import annotations
@@ -41,39 +43,53 @@ def wal_frames(db: Path, page_size: int) -> float:
     return wal.stat().st_size / (page_size + 24) if wal.exists() else 0.0
 
 
+class SQLiteRawWriter:
+    """The SQLite baseline: stdlib ``sqlite3``, WAL, ``synchronous=FULL``, one
+    ``BEGIN IMMEDIATE; INSERT; COMMIT`` per operation."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.conn = sqlite3.connect(path, isolation_level=None)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.execute("CREATE TABLE bench_rows (id INTEGER PRIMARY KEY, body TEXT NOT NULL)")
+
+    def commit(self, i: int) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.execute("INSERT INTO bench_rows (body) VALUES (?)", (row_body(i),))
+        self.conn.execute("COMMIT")
+
+    def warm_up(self) -> None:
+        for i in range(WARMUP):
+            self.commit(-1 - i)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def raw_commit_us(path: Path, n: int, *, frames: bool = False) -> float:
     """Microseconds per SQLite commit of one ~200-byte JSON row, WAL + ``synchronous=FULL``.
 
     With ``frames``, returns WAL frames written per commit instead (autocheckpoint off).
     """
-    conn = sqlite3.connect(path, isolation_level=None)
+    writer = SQLiteRawWriter(path)
     try:
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("CREATE TABLE bench_rows (id INTEGER PRIMARY KEY, body TEXT NOT NULL)")
-
-        def commit(i: int) -> None:
-            conn.execute("BEGIN IMMEDIATE")
-            conn.execute("INSERT INTO bench_rows (body) VALUES (?)", (row_body(i),))
-            conn.execute("COMMIT")
-
-        for i in range(WARMUP):
-            commit(-1 - i)
+        writer.warm_up()
         if frames:
             # An empty WAL that no checkpoint resets: its size counts what is written.
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            conn.execute("PRAGMA wal_autocheckpoint=0")
+            writer.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            writer.conn.execute("PRAGMA wal_autocheckpoint=0")
             for i in range(n):
-                commit(i)
-            page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+                writer.commit(i)
+            page_size = int(writer.conn.execute("PRAGMA page_size").fetchone()[0])
             return wal_frames(path, page_size) / n
         gc.collect()
         start = time.perf_counter()
         for i in range(n):
-            commit(i)
+            writer.commit(i)
         return (time.perf_counter() - start) / n * 1e6
     finally:
-        conn.close()
+        writer.close()
 
 
 class PgRawWriter:
@@ -123,3 +139,23 @@ def pg_raw_commit_us(url: str, n: int) -> float:
             await writer.close()
 
     return asyncio.run(go())
+
+
+class PgFloorWriter(PgRawWriter):
+    """The cheapest correct durable commit on PostgreSQL: one round trip per commit.
+
+    An autocommit connection sends the single ``INSERT`` and the server commits it before
+    answering (waiting for the WAL flush ``synchronous_commit`` asks for): one durable
+    commit, one round trip, where :class:`PgRawWriter` takes three.
+    """
+
+    async def open(self) -> None:
+        import psycopg
+
+        self.conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+        await self.conn.execute(
+            "CREATE TABLE bench_rows (id BIGSERIAL PRIMARY KEY, body TEXT NOT NULL)"
+        )
+
+    async def commit(self, i: int) -> None:
+        await self.conn.execute("INSERT INTO bench_rows (body) VALUES (%s)", (row_body(i),))
