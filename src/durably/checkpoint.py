@@ -23,8 +23,20 @@ from typing import Any
 
 from durably.errors import CheckpointCorrupted
 from durably.keys import keyed_hex, plain_json, sha256_hex
+from durably.status import RunStatus
 
 CHECKPOINT_SCHEMA_VERSION = 1
+
+CHECKPOINT_EVERY = 32
+"""A step's result is checkpointed only when this many results were settled since the last
+checkpoint: the results in between are verified against the events that recorded them.
+Effects, waits and endings are always checkpointed. With the App's secret every result is:
+the event log is not sealed, and a forger could rewrite a result and its event together."""
+
+CHECKPOINTS_KEPT = 3
+"""Checkpoints a run keeps once a periodic or final one is written; older ones are pruned.
+Recovery anchors on the newest that holds (the event log verifies everything after it, and
+everything, if none holds), and the event log is the audit trail: it is never pruned."""
 
 SEALED = "hmac-sha256:"
 """Prefix of a checksum keyed with the App's secret; a plain checksum is bare sha256 hex."""
@@ -155,9 +167,12 @@ class JournalState:
     budget: dict[str, Any] = field(default_factory=dict)
     key: bytes | None = field(default=None, repr=False)
     """The App's secret, which seals the checkpoints drafted from here (None: plain)."""
+    unchecked: int = 0
+    """Results settled since the last checkpoint drafted."""
 
     def settle(self, step_id: str, output_json: str) -> None:
         self.length += 1
+        self.unchecked += 1
         self.digest = chain_digest(self.digest, step_id, sha256_hex(output_json))
 
     def effect_completed(self, idempotency_key: str) -> None:
@@ -170,7 +185,11 @@ class JournalState:
         status: str,
         current_step: str | None,
         pending_action: dict[str, Any] | None = None,
+        prune: bool = False,
     ) -> CheckpointDraft:
+        """The next checkpoint; ``prune``: it replaces all but the newest
+        :data:`CHECKPOINTS_KEPT` of the run's checkpoints."""
+        self.unchecked = 0
         return CheckpointDraft(
             run_id=self.run_id,
             current_step=current_step,
@@ -181,8 +200,16 @@ class JournalState:
             # journal digest covers every result, and a list would grow each checkpoint.
             completed_effects={"count": self.effects_completed, "last": self.last_effect},
             budget_snapshot=dict(self.budget),
+            prune=prune,
             key=self.key,
         )
+
+    def periodic(self, *, current_step: str) -> CheckpointDraft | None:
+        """A running run's checkpoint after a step's result, if one is due (see
+        :data:`CHECKPOINT_EVERY`): most step commits write no checkpoint."""
+        if self.unchecked < (1 if self.key else CHECKPOINT_EVERY):
+            return None
+        return self.draft(status=RunStatus.RUNNING, current_step=current_step, prune=True)
 
 
 @dataclass(frozen=True)
@@ -196,6 +223,7 @@ class CheckpointDraft:
     pending_action: dict[str, Any] | None
     completed_effects: dict[str, Any]
     budget_snapshot: dict[str, Any]
+    prune: bool = False
     key: bytes | None = field(default=None, repr=False, compare=False)
 
     def seal(self, *, state_version: int, last_event_sequence: int) -> tuple[Checkpoint, str]:

@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -36,6 +36,7 @@ from durably.keys import canonical_json, input_hash, sha256_hex
 from durably.status import OperationStatus, PauseReason, RunStatus, StepStatus
 from durably.store.base import (
     Claim,
+    Event,
     EventWrite,
     Journal,
     OperationRecord,
@@ -155,12 +156,12 @@ class StepCall:
                 step=self._write(
                     StepStatus.SUCCEEDED, attempt, output_json=output_json, settle=True
                 ),
-                checkpoint=ctx.journal.draft(status=RunStatus.RUNNING, current_step=self.step_id),
+                checkpoint=ctx.journal.periodic(current_step=self.step_id),
             ),
             settle=(self.step_id, output_json),
         )
-        # Result, event and checkpoint are one transaction: checkpoint.after_write (fired by
-        # the commit) and this window are the same moment.
+        # Result, event and any checkpoint are one transaction: checkpoint.after_write (fired
+        # by the commit when it held one) and this window are the same moment.
         faults.crash_point("step.after_record")
 
     async def _record_failure(self, attempt: int, exc: Exception) -> NoReturn:
@@ -215,22 +216,16 @@ async def verified(
     ]
     stored = [(c.payload, c.checksum) for c in journal.checkpoints]
     try:
-        verification = verify_journal(settled, stored, lambda seq: {}, key, run_id)
+        verification = verify_journal(
+            settled, stored, _output_hashes(journal.recent_events), key, run_id
+        )
     except CheckpointCorrupted:
         verification = None
     if verification is None or verification.corrupted_checkpoints:
         # The slow path: read every checkpoint and the event log, check all against them.
         stored = [(c.payload, c.checksum) for c in await store.checkpoints(run_id)]
         events = await store.events(run_id)
-
-        def from_events(sequence: int) -> dict[str, str]:
-            return {
-                e.step_id: str(e.payload["output_hash"])
-                for e in events
-                if e.sequence > sequence and e.step_id and e.payload.get("output_hash")
-            }
-
-        verification = verify_journal(settled, stored, from_events, key, run_id)
+        verification = verify_journal(settled, stored, _output_hashes(events), key, run_id)
     _check_ledger_matches_journal(journal)
     state = _journal_state(run_id, journal.steps, journal.operations, key)
     if not verification.corrupted_checkpoints:
@@ -244,6 +239,21 @@ async def verified(
             "recovered_from": anchor.checkpoint_id if anchor else "event_log",
         },
     )
+
+
+def _output_hashes(events: list[Event]) -> Callable[[int], dict[str, str]]:
+    """``{step_id: output_hash}`` recorded by ``events`` after a sequence. Events missing
+    from ``events`` verify nothing: a result they recorded fails, and the slow path reads
+    the whole log."""
+
+    def after(sequence: int) -> dict[str, str]:
+        return {
+            e.step_id: str(e.payload["output_hash"])
+            for e in events
+            if e.sequence > sequence and e.step_id and e.payload.get("output_hash")
+        }
+
+    return after
 
 
 def _check_ledger_matches_journal(journal: Journal) -> None:
@@ -395,7 +405,9 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
                     EventWrite("run_completed", None, {"result_hash": sha256_hex(result_json)})
                 ],
                 run=RunUpdate(RunStatus.COMPLETED, result_json=result_json),
-                checkpoint=ctx.journal.draft(status=RunStatus.COMPLETED, current_step=None),
+                checkpoint=ctx.journal.draft(
+                    status=RunStatus.COMPLETED, current_step=None, prune=True
+                ),
                 release=True,
             )
         )

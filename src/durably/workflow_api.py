@@ -11,7 +11,7 @@ from durably import context, effect
 from durably.calls import Scope
 from durably.errors import InvalidInput
 from durably.keys import sha256_hex
-from durably.status import RunStatus, StepStatus
+from durably.status import StepStatus
 from durably.store.base import EventWrite, StepWrite, Transition
 from durably.values import check_text
 
@@ -129,7 +129,7 @@ async def patched(name: str) -> bool:
                     output_json="true",
                     settle=True,
                 ),
-                checkpoint=ctx.journal.draft(status=RunStatus.RUNNING, current_step=step_id),
+                checkpoint=ctx.journal.periodic(current_step=step_id),
             ),
             settle=(step_id, "true"),
         )

@@ -200,3 +200,26 @@ for _kind, _tool in TOOLS.items():
     app.workflow(name=f"{_kind}_parallel")(_parallel(_tool))
 app.workflow(name="approved_once")(_once(approved_tool))
 app.workflow(name="garbled_once")(_once(garbled_tool))
+
+
+# -- a long run of steps, checkpointed periodically ---------------------------------------
+
+STEP_LOG_ENV = "CRASH_STEP_LOG"
+"""A file each execution of ``tick`` appends its index to (one ``O_APPEND`` write)."""
+
+
+@app.step()
+def tick(i: int) -> dict[str, Any]:
+    path = os.environ.get(STEP_LOG_ENV)
+    if path:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{i}\n".encode())
+        finally:
+            os.close(fd)
+    return {"i": i, "square": i * i}
+
+
+@app.workflow(name="long_steps")
+async def long_steps(n: int) -> int:
+    return sum([(await tick(i))["square"] for i in range(1, n + 1)])

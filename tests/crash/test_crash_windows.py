@@ -29,8 +29,10 @@ KINDS = ("idempotent", "reconciled", "neither")
 CAMPAIGN = "spring"
 
 # Which crash points ``<kind>_once`` must reach. The ``effect.*`` points are on every tool's
-# path; ``step.after_record`` and ``checkpoint.after_write`` are on every step's path (one
-# transaction, two names). These workflows request no approval, so ``approval.after_request``
+# path, and so is ``checkpoint.after_write``: a step's commit writes a checkpoint only every
+# CHECKPOINT_EVERY results, so this short workflow writes its first one with the tool's
+# intent (the same transaction as ``effect.after_intent``); ``step.after_record`` is on
+# every step's path. These workflows request no approval, so ``approval.after_request``
 # is never reached here: that process must simply complete (test_approval_crash.py covers it).
 REACHED = {
     "effect.before_intent": set(KINDS),
@@ -56,8 +58,10 @@ AT_CRASH: dict[str, dict[str, tuple[str | None, int]]] = {
     "effect.after_call": dict.fromkeys(KINDS, ("executing", 1)),
     "effect.after_record": dict.fromkeys(KINDS, ("succeeded", 1)),
     "step.after_record": dict.fromkeys(KINDS, (None, 0)),
-    "checkpoint.after_write": dict.fromkeys(KINDS, (None, 0)),
 }
+SAME_MOMENT = {"checkpoint.after_write": "effect.after_intent"}
+"""Crash points whose first visit is in the same transaction as another's."""
+AT_CRASH["checkpoint.after_write"] = AT_CRASH["effect.after_intent"]
 
 _FRESH = {
     "idempotent": ["effect_intent_recorded", "effect_succeeded"],
@@ -83,8 +87,8 @@ RECOVERY: dict[str, dict[str, list[str]]] = {
     },
     "effect.after_record": {kind: [] for kind in KINDS},
     "step.after_record": _FRESH,
-    "checkpoint.after_write": _FRESH,
 }
+RECOVERY["checkpoint.after_write"] = RECOVERY["effect.after_intent"]
 
 
 def paused_unknown(point: str, kind: str) -> bool:
@@ -192,10 +196,11 @@ def test_crash_window(
     # Exactly one effect at the shop, and it is the one the run reports.
     assert shop.record_ids(kind, customer) == [result_id(run["result"])]
     assert_no_ghost(harness, shop, run_id, kind, customer)
-    resent = point == "effect.after_call" and kind == "idempotent"
+    moment = SAME_MOMENT.get(point, point)
+    resent = moment == "effect.after_call" and kind == "idempotent"
     assert shop.requests("POST", path) == (2 if resent else 1)
-    asked = kind == "reconciled" and point in ("effect.after_intent", "effect.after_call")
-    if asked and point == "effect.after_intent":
+    asked = kind == "reconciled" and moment in ("effect.after_intent", "effect.after_call")
+    if asked and moment == "effect.after_intent":
         # "Not executed" for the dead process's claim is trusted only once its lease plus
         # the reconcile grace has passed: asked again after that, unless already past it.
         assert shop.requests("GET", "/coupons") in (1, 2)
@@ -212,16 +217,16 @@ def test_crash_window(
 # -- counting visits: DURABLY_CRASH_AT=<point>:<n> -----------------------------------------
 
 # (point, workflow shape): the n-th visit is in the second tool call (``twice``) or the step
-# after the tool (``once``: ``begin`` is visit 1, ``finish`` visit 2 of step.after_record;
-# checkpoint.after_write also fires after the tool's intent and outcome commits, so
-# ``finish`` is its visit 4).
+# after the tool (``once``: ``begin`` is visit 1, ``finish`` visit 2 of step.after_record).
+# checkpoint.after_write fires at each tool's intent and outcome commits: visit 3 is the
+# second call's intent.
 SECOND_VISITS = [
     ("effect.before_intent:2", "twice"),
     ("effect.after_intent:2", "twice"),
     ("effect.after_call:2", "twice"),
     ("effect.after_record:2", "twice"),
     ("step.after_record:2", "once"),
-    ("checkpoint.after_write:4", "once"),
+    ("checkpoint.after_write:3", "twice"),
 ]
 
 

@@ -311,6 +311,8 @@ class Journal:
     """Events delivered to the run and not consumed yet, in arrival order."""
     approvals: list[Approval] = field(default_factory=list)
     """Every approval request of the run, oldest first."""
+    recent_events: list[Event] = field(default_factory=list)
+    """The events after the run's newest checkpoint: they verify the results settled since."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from durably.checkpoint import CHECKPOINTS_KEPT
 from durably.errors import ApprovalExpired, InvalidTransition, LeaseLostError, RunNotFound
 from durably.keys import plain_json
 from durably.status import RunStatus
@@ -42,6 +43,7 @@ from durably.store.rows import (
     Row,
     approval_from_row,
     checkpoint_from_row,
+    event_from_row,
     loads,
     operation_from_row,
     run_from_row,
@@ -234,6 +236,8 @@ def _following(
                 },
             )
         )
+        if t.checkpoint.prune:
+            rest.append(("prune_checkpoints", {"run_id": run_id, "keep": CHECKPOINTS_KEPT}))
     return rest
 
 
@@ -415,7 +419,7 @@ def request_cancel(run_id: str, compensate: bool) -> Plan[RunRecord]:
 
 def load_journal(run_id: str, checkpoints: int) -> Plan[Journal | None]:
     """What a worker resumes from, in one round of a read-only snapshot."""
-    run, steps, ops, cps, signals, approvals = yield Round(
+    run, steps, ops, cps, signals, approvals, recent = yield Round(
         [
             ("get_run", {"run_id": run_id}),
             ("steps", {"run_id": run_id}),
@@ -425,6 +429,7 @@ def load_journal(run_id: str, checkpoints: int) -> Plan[Journal | None]:
             ("latest_checkpoints", {"run_id": run_id, "limit": checkpoints}),
             ("pending_signals", {"run_id": run_id}),
             ("approvals", {"run_id": run_id, "approval_id": None}),
+            ("events_after_checkpoint", {"run_id": run_id}),
         ],
         final=True,
     )
@@ -437,6 +442,7 @@ def load_journal(run_id: str, checkpoints: int) -> Plan[Journal | None]:
         checkpoints=[checkpoint_from_row(r) for r in cps],
         signals=[signal_from_row(r) for r in signals],
         approvals=[approval_from_row(r) for r in approvals],
+        recent_events=[event_from_row(r) for r in recent],
     )
 
 

@@ -197,6 +197,12 @@ INSERT INTO durably_checkpoints (run_id, state_version, last_event_sequence, sch
 VALUES (%(run_id)s, %(state_version)s, %(last_event_sequence)s, %(schema_version)s,
     %(payload_json)s, %(checksum)s, extract(epoch FROM now()));
 
+-- name: prune_checkpoints
+-- All but the run's newest %(keep)s checkpoints (the event log keeps the history).
+DELETE FROM durably_checkpoints WHERE run_id = %(run_id)s AND state_version < (
+    SELECT min(state_version) FROM (SELECT state_version FROM durably_checkpoints
+    WHERE run_id = %(run_id)s ORDER BY state_version DESC LIMIT %(keep)s) AS kept);
+
 -- name: lock_run
 -- What an operator's write checks first; the lock serialises it with the run's commits.
 SELECT status, waiting_for_json, last_sequence FROM durably_runs WHERE run_id = %(run_id)s
@@ -272,6 +278,14 @@ ORDER BY received_at, event_id;
 -- name: events
 -- The run's events after a sequence.
 SELECT * FROM durably_events WHERE run_id = %(run_id)s AND sequence > %(after)s
+ORDER BY sequence;
+
+-- name: events_after_checkpoint
+-- The run's events after its newest checkpoint (all, without one): they verify the results
+-- settled since.
+SELECT * FROM durably_events WHERE run_id = %(run_id)s AND sequence > coalesce((
+    SELECT last_event_sequence FROM durably_checkpoints WHERE run_id = %(run_id)s
+    ORDER BY state_version DESC LIMIT 1), 0)
 ORDER BY sequence;
 
 -- name: next_wakeup

@@ -177,6 +177,12 @@ INSERT INTO durably_checkpoints (run_id, state_version, last_event_sequence, sch
 VALUES (:run_id, :state_version, :last_event_sequence, :schema_version, :payload_json,
     :checksum, :now);
 
+-- name: prune_checkpoints
+-- All but the run's newest :keep checkpoints (the event log keeps the history).
+DELETE FROM durably_checkpoints WHERE run_id = :run_id AND state_version < (
+    SELECT min(state_version) FROM (SELECT state_version FROM durably_checkpoints
+    WHERE run_id = :run_id ORDER BY state_version DESC LIMIT :keep) AS kept);
+
 -- name: lock_run
 -- What an operator's write checks first (SQLite's write lock is already held).
 SELECT status, waiting_for_json, last_sequence FROM durably_runs WHERE run_id = :run_id;
@@ -249,6 +255,14 @@ ORDER BY received_at, event_id;
 -- name: events
 -- The run's events after a sequence.
 SELECT * FROM durably_events WHERE run_id = :run_id AND sequence > :after ORDER BY sequence;
+
+-- name: events_after_checkpoint
+-- The run's events after its newest checkpoint (all, without one): they verify the results
+-- settled since.
+SELECT * FROM durably_events WHERE run_id = :run_id AND sequence > coalesce((
+    SELECT last_event_sequence FROM durably_checkpoints WHERE run_id = :run_id
+    ORDER BY state_version DESC LIMIT 1), 0)
+ORDER BY sequence;
 
 -- name: next_wakeup
 -- When the next claimable run of these workflows (a JSON list) is due, by the store's clock.
