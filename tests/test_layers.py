@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "durably.faults": 0,
     "durably.metrics": 0,
     "durably.loop": 0,
+    "durably.owners": 0,
     # domain: the records of the protocol and the pure rules over them
     "durably.checkpoint": 1,
     "durably.ledger": 1,

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from durably import runtime
+from durably import owners, runtime
 from durably.definitions import WorkflowDef
 from durably.engine import Engine
 from durably.errors import (
@@ -39,7 +39,6 @@ from durably.store.base import (
     Transition,
 )
 from durably.values import MAX_TEXT_CHARS, check_id, check_ref, check_text
-from durably.worker import worker_id
 
 
 def new_run_id() -> str:
@@ -110,7 +109,7 @@ async def execute(engine: Engine, run_id: str, *, owner: str | None = None) -> N
             run_id=run_id,
         )
     claim = await store.claim_run(
-        run_id, owner or worker_id("inproc"), engine.lease_ttl.total_seconds()
+        run_id, owner or owners.owner_name("inproc"), engine.lease_ttl.total_seconds()
     )
     if claim is not None:
         await runtime.drive(engine, claim)

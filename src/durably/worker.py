@@ -11,16 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
-import socket
 import threading
 import time
-import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from durably import runtime
+from durably import owners, runtime
 from durably.errors import ConfigurationError, InvalidTransition, StoreUnavailable
 from durably.status import PauseReason, RunStatus
 from durably.store.base import EventWrite, Expect, RunUpdate, Transition
@@ -29,11 +26,6 @@ if TYPE_CHECKING:
     from durably.engine import HasEngine
 
 log = logging.getLogger("durably.worker")
-
-
-def worker_id(kind: str) -> str:
-    """A lease owner name unique to this process and object: ``kind:host:pid:random``."""
-    return f"{kind}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class Worker:
@@ -63,7 +55,7 @@ class Worker:
         self.lease_ttl_s = lease_ttl.total_seconds()
         self.poll_interval_s = poll_interval.total_seconds()
         self.recheck_paused_s = None if recheck_paused is None else recheck_paused.total_seconds()
-        self.worker_id = worker_id("worker")
+        self.worker_id = owners.owner_name("worker")
         self.executed = 0
         """Run executions performed (a run that waits and resumes counts each time)."""
         self._stopping = asyncio.Event()
@@ -109,6 +101,7 @@ class Worker:
                 loop.add_signal_handler(sig, self.stop)
                 handled.append(sig)
         await self.engine.open()
+        await self.recover_dead_owners()
         if until_idle:
             await self.recheck_paused()
         # Slots that stop when idle never wait for work: no listener (nor its connection).
@@ -118,14 +111,16 @@ class Worker:
             if until_idle or self.recheck_paused_s is None
             else asyncio.create_task(self._rechecks(self.recheck_paused_s))
         )
+        sweeps = None if until_idle else asyncio.create_task(self._sweeps())
         slots = [asyncio.create_task(self._slot(until_idle)) for _ in range(self.concurrency)]
         try:
             await asyncio.gather(*slots)
         finally:
-            if rechecks is not None:
-                rechecks.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await rechecks
+            for task in (rechecks, sweeps):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             if listener is not None:
                 # The store closes the listener's connection when this task ends.
                 listener.cancel()
@@ -143,6 +138,31 @@ class Worker:
             except StoreUnavailable as exc:
                 log.warning("worker %s: cannot recheck paused runs (%s)", self.worker_id, exc)
             await asyncio.sleep(min(max(every_s, 1.0), 60.0))
+
+    async def _sweeps(self) -> None:
+        # Sooner than any lease runs out, and cheap: one indexed read while no one died.
+        every_s = min(self.lease_ttl_s / 3, 5.0)
+        while not self._stopping.is_set():
+            await asyncio.sleep(every_s)
+            try:
+                if await self.recover_dead_owners():
+                    await self._wake_all()
+            except StoreUnavailable as exc:
+                log.warning("worker %s: cannot look for dead owners (%s)", self.worker_id, exc)
+
+    async def recover_dead_owners(self) -> list[str]:
+        """End the leases held by workers of this machine whose process is gone, so their
+        runs are recovered now instead of when the lease runs out; returns those owners.
+
+        Only a process this one can see is judged (same boot, same pid namespace: see
+        ``durably.owners``); any other owner's lease is waited out.
+        """
+        store = self.engine.store
+        gone = owners.dead(await store.live_owners())
+        if gone:
+            freed = await store.expire_leases(gone)
+            log.info("worker %s: %d runs of dead owners %s recovered", self.worker_id, freed, gone)
+        return gone
 
     async def recheck_paused(self, *, limit: int = 100) -> list[str]:
         """Queue again the runs paused ``effect_state_unknown`` for at least

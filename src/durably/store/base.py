@@ -366,6 +366,15 @@ class Store(abc.ABC):
         """Extend the lease; raise :class:`LeaseLostError` if it is no longer ours."""
 
     @abc.abstractmethod
+    async def live_owners(self) -> list[str]:
+        """The owners of the runs' leases that have not run out."""
+
+    @abc.abstractmethod
+    async def expire_leases(self, owners: Sequence[str]) -> int:
+        """End now the leases of ``owners``, whose processes are gone (on the runs and the
+        tool operations they held); returns how many runs can be claimed now."""
+
+    @abc.abstractmethod
     async def commit(self, guard: Lease | Expect, transition: Transition) -> Committed:
         """Apply ``transition`` atomically if ``guard`` still holds (else LeaseLostError or
         InvalidTransition); a failed operation precondition raises InvalidTransition."""

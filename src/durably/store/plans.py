@@ -313,6 +313,20 @@ def create_run(new: NewRun) -> Plan[tuple[RunRecord, bool]]:
     return run_from_row(existing[0]), False
 
 
+def expire_leases(owners: Any) -> Plan[int]:
+    """End the leases of ``owners`` (bound as a list), whose processes are gone: their runs
+    and the operations they held. How many runs were freed."""
+    runs, _ = yield Round(
+        [
+            ("expire_run_leases", {"owners": owners}),
+            ("expire_operation_leases", {"owners": owners}),
+        ],
+        final=True,
+        notify=True,
+    )
+    return len(runs)
+
+
 def claim(pick: Plan[Row | None], owner: str, ttl_s: float, sent_at: float) -> Plan[Claim | None]:
     """The claim of the run ``pick`` leased (its row as leased, with ``old_status``,
     ``old_owner`` and ``old_until`` from before), recording a recovery."""

@@ -102,6 +102,12 @@ class SQLStore(Store):
             raise lease_lost(lease)
         return float(rows[0]["lease_until"])
 
+    async def live_owners(self) -> list[str]:
+        return [r["lease_owner"] for r in await self._one("live_owners", {})]
+
+    async def expire_leases(self, owners: Sequence[str]) -> int:
+        return await self._run(lambda: plans.expire_leases(self._list(owners)))
+
     async def commit(self, guard: Lease | Expect, transition: Transition) -> Committed:
         return await self._run(lambda: plans.commit(guard, transition))
 

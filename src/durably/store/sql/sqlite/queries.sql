@@ -58,6 +58,22 @@ RETURNING *;
 -- Make room for one event (a recovery's) after a claim.
 UPDATE durably_runs SET last_sequence = last_sequence + 1 WHERE run_id = :run_id;
 
+-- name: live_owners
+-- Who holds a lease that has not run out (owners.dead judges which of them are gone).
+SELECT DISTINCT lease_owner FROM durably_runs
+WHERE status IN ('running', 'reconciling') AND lease_until > :now;
+
+-- name: expire_run_leases
+-- End now the leases of owners whose process is gone, so their runs can be claimed at once.
+UPDATE durably_runs SET lease_until = :now
+WHERE lease_owner IN (SELECT value FROM json_each(:owners)) AND lease_until > :now;
+
+-- name: expire_operation_leases
+-- The same for the tool operations they held (an operation holds its run's lease): the send
+-- window of each ends now, and reconciliation's grace counts from there.
+UPDATE durably_tool_operations SET lease_until = :now
+WHERE lease_owner IN (SELECT value FROM json_each(:owners)) AND lease_until > :now;
+
 -- name: heartbeat
 -- Extend the lease if it is still this holder's; no row if it was lost.
 UPDATE durably_runs SET lease_until = :now + :ttl
