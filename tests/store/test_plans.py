@@ -63,7 +63,32 @@ def first_round(plan: Plan[Committed]) -> Round:
     return next(plan)
 
 
-def test_a_step_commits_in_two_rounds_fence_first() -> None:
+def test_a_step_without_a_checkpoint_commits_in_one_round() -> None:
+    """Most steps: the fence and writes conditional on it, one PostgreSQL round trip."""
+    two_events = [EventWrite("a", "s#1"), EventWrite("step_completed", "s#1")]
+    plan = plans.commit(LEASE, step_commit(checkpoint=None, events=two_events))
+    only = first_round(plan)
+    assert names(only) == ["fence_lease", "insert_event_fenced", "insert_event_fenced",
+                           "upsert_step_fenced"]  # fmt: skip
+    assert only.final
+    _, first, second, step = (params for _, params in only.queries)
+    assert (first["back"], second["back"]) == (1, 0)  # counted back from the fence's sequence
+    for params in (first, second, step):
+        assert (params["owner"], params["epoch"]) == (LEASE.owner, LEASE.epoch)
+    assert step["settle"] is True
+    with pytest.raises(StopIteration) as done:
+        plan.send([FENCED, [], [], []])
+    assert done.value.value == Committed(7, 9, None, 99.0, 0)
+
+
+def test_a_step_in_one_round_refuses_a_lost_lease() -> None:
+    plan = plans.commit(LEASE, step_commit(checkpoint=None))
+    first_round(plan)
+    with pytest.raises(LeaseLostError):
+        plan.send([[], [], []])
+
+
+def test_a_checkpointed_step_commits_in_two_rounds_fence_first() -> None:
     plan = plans.commit(LEASE, step_commit())
     first = first_round(plan)
     assert names(first) == ["fence_lease"]

@@ -37,6 +37,7 @@ from durably.store.base import (
     NewRun,
     OperationWrite,
     RunRecord,
+    StepWrite,
     Transition,
 )
 from durably.store.rows import (
@@ -102,6 +103,8 @@ def commit(guard: Lease | Expect, t: Transition) -> Plan[Committed]:
             {"run_id": run_id, "state_version": guard.state_version, "events": len(t.events)},
         )
     refusing = [fence]
+    if isinstance(guard, Lease) and _one_round(t):
+        return (yield from _commit_in_one_round(guard, t, fence))
     o = t.operation
     if o is not None:
         refusing.append(_operation(guard, o))
@@ -160,6 +163,71 @@ def commit(guard: Lease | Expect, t: Transition) -> Plan[Committed]:
     )
 
 
+def _one_round(t: Transition) -> bool:
+    """Whether the commit is only events and a step row: then it needs nothing the fence
+    returns (a checkpoint seals its sequence and state version) and refuses nothing else."""
+    return (
+        t.checkpoint is None
+        and t.operation is None
+        and t.run is None
+        and not t.release
+        and t.use_approval is None
+        and t.consume_signal is None
+        and t.request_approval is None
+        and t.plan_version is None
+        and t.wake_on_signal is None
+    )
+
+
+def _commit_in_one_round(guard: Lease, t: Transition, fence: Query) -> Plan[Committed]:
+    """A step's commit: the fence and its writes in one round (one PostgreSQL round trip),
+    each write conditional on the fence having held in the same transaction."""
+    held = {"run_id": guard.run_id, "owner": guard.owner, "epoch": guard.epoch}
+    queries = [fence]
+    for offset, e in enumerate(t.events):
+        queries.append(
+            (
+                "insert_event_fenced",
+                {
+                    **held,
+                    "back": len(t.events) - 1 - offset,
+                    "type": e.type,
+                    "step_id": e.step_id,
+                    "payload_json": plain_json(e.payload),
+                },
+            )
+        )
+    if t.step is not None:
+        queries.append(("upsert_step_fenced", {**held, **_step(t.step), "settle": t.step.settle}))
+    fenced, *_ = yield Round(queries, final=True)
+    if not fenced:
+        raise lease_lost(guard)
+    row = fenced[0]
+    return Committed(
+        int(row["last_sequence"]),
+        int(row["state_version"]),
+        None,
+        row["lease_until"],
+        int(row["cancel_requested"]),
+    )
+
+
+def _step(s: StepWrite) -> dict[str, Any]:
+    """A step row's parameters, but its settled sequence."""
+    return {
+        "step_id": s.step_id,
+        "position": s.position,
+        "kind": s.kind,
+        "name": s.name,
+        "status": s.status.value,
+        "input_hash": s.input_hash,
+        "output_json": s.output_json,
+        "error_json": _json_or_none(s.error),
+        "idempotency_key": s.idempotency_key,
+        "attempts": s.attempts,
+    }
+
+
 def _following(
     guard: Lease | Expect, t: Transition, last_sequence: int, state_version: int
 ) -> list[Query]:
@@ -200,25 +268,8 @@ def _following(
         rest.append(_event(run_id, first + offset, e.type, e.step_id, e.payload))
     if t.step is not None:
         s = t.step
-        rest.append(
-            (
-                "upsert_step",
-                {
-                    "run_id": run_id,
-                    "step_id": s.step_id,
-                    "position": s.position,
-                    "kind": s.kind,
-                    "name": s.name,
-                    "status": s.status.value,
-                    "input_hash": s.input_hash,
-                    "output_json": s.output_json,
-                    "error_json": _json_or_none(s.error),
-                    "idempotency_key": s.idempotency_key,
-                    "attempts": s.attempts,
-                    "settled_sequence": last_sequence if s.settle else None,
-                },
-            )
-        )
+        settled = last_sequence if s.settle else None
+        rest.append(("upsert_step", {"run_id": run_id, **_step(s), "settled_sequence": settled}))
     if t.checkpoint is not None:
         cp, payload_json = t.checkpoint.seal(
             state_version=state_version, last_event_sequence=last_sequence

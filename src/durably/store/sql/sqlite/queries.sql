@@ -173,6 +173,29 @@ VALUES (:approval_id, :run_id, :step_id, :kind, :name, :payload_json, :input_has
 INSERT INTO durably_events (run_id, sequence, type, step_id, payload_json, created_at)
 VALUES (:run_id, :sequence, :type, :step_id, :payload_json, :now);
 
+-- name: insert_event_fenced
+-- insert_event in a commit sent as one round: nothing unless the fence, earlier in the same
+-- transaction, held; its sequence counted back from the last_sequence the fence left.
+INSERT INTO durably_events (run_id, sequence, type, step_id, payload_json, created_at)
+SELECT run_id, last_sequence - :back, :type, :step_id, :payload_json, :now
+FROM durably_runs WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoch = :epoch;
+
+-- name: upsert_step_fenced
+-- upsert_step in a commit sent as one round (see insert_event_fenced); settled at the
+-- sequence of the commit's last event.
+INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, input_hash,
+    output_json, error_json, idempotency_key, attempts, settled_sequence, created_at,
+    updated_at)
+SELECT run_id, :step_id, :position, :kind, :name, :status, :input_hash, :output_json,
+    :error_json, :idempotency_key, :attempts, CASE WHEN :settle THEN last_sequence END,
+    :now, :now
+FROM durably_runs WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoch = :epoch
+ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
+    output_json = excluded.output_json, error_json = excluded.error_json,
+    attempts = excluded.attempts,
+    settled_sequence = coalesce(excluded.settled_sequence, settled_sequence),
+    updated_at = excluded.updated_at;
+
 -- name: upsert_step
 -- A step-ledger row; settled_sequence, once set, stays.
 INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, input_hash,
