@@ -117,6 +117,8 @@ def json_text_fits(text: str) -> bool:
     value itself is only walked when this says False."""
     if "\\u0000" in text or not _encodable(text):
         return False
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return True  # not even every bracket, in strings or not, nests that deep
     depth = deepest = 0
     for bracket in _BRACKETS.findall(_JSON_STRING.sub("", text)):
         depth += 1 if bracket in "[{" else -1
