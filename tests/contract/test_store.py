@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from typing import TypeVar
 
 import pytest
@@ -146,6 +147,45 @@ def test_commit_is_atomic(store: Store) -> None:
     assert after.checkpoints == before.checkpoints
     assert after.run.last_sequence == before.run.last_sequence
     assert "should_vanish" not in [e.type for e in run(store.events("r1"))]
+
+
+def test_concurrent_commits_apply_or_refuse_each_on_its_own(store: Store) -> None:
+    """Commits of several runs made at the same moment (SQLite groups them into one
+    transaction): a refused one undoes only its own writes, never another run's."""
+    for run_id in ("r1", "r2", "r3"):
+        run(store.create_run(new_run(run_id)))
+    claims = [run(store.claim_run(run_id, "w1", 30)) for run_id in ("r1", "r2", "r3")]
+    assert all(c is not None for c in claims)
+    leases = [c.lease for c in claims if c is not None]
+    stale = replace(leases[1], epoch=leases[1].epoch - 1)
+    bad = Transition(
+        events=[EventWrite("intent")],
+        operation=op_write("k2", run_id="r2", expect_row_version=7),
+    )
+
+    async def together() -> list[object]:
+        return await asyncio.gather(
+            store.commit(leases[0], Transition(events=[EventWrite("a")])),
+            store.commit(stale, Transition(events=[EventWrite("lost")])),
+            store.commit(leases[1], bad),
+            store.commit(leases[2], Transition(events=[EventWrite("c")])),
+            return_exceptions=True,
+        )
+
+    first, lost, refused, third = run(together())
+    assert isinstance(lost, LeaseLostError)
+    assert isinstance(refused, InvalidTransition)
+    assert not isinstance(first, BaseException)
+    assert not isinstance(third, BaseException)
+    types = {r: [e.type for e in run(store.events(r))] for r in ("r1", "r2", "r3")}
+    assert types["r1"][-1] == "a"
+    assert types["r3"][-1] == "c"
+    assert "lost" not in types["r2"]
+    assert "intent" not in types["r2"]
+    journal = run(store.load_journal("r2"))
+    assert journal is not None
+    assert journal.operations == []
+    assert journal.run.last_sequence == len(types["r2"])
 
 
 def test_operation_key_is_unique(store: Store) -> None:

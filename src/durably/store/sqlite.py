@@ -1,8 +1,10 @@
 """The embedded store: one SQLite file, stdlib ``sqlite3``.
 
-Statements run on the calling thread inside the ``async`` methods. A commit here costs one
-fsync (~150 µs); SQLite serialises writers anyway, and a hop to a helper thread would cost
-about as much as it could overlap, so the event loop simply waits for it.
+Statements run on the event loop's thread. A commit here costs one fsync (~150 µs); SQLite
+serialises writers anyway, and a hop to a helper thread would cost about as much as it could
+overlap, so the event loop simply waits for it. What it can save is fsyncs: the writes that
+the runs of one loop make at the same moment share one transaction (group commit), each
+plan inside its own savepoint, so a refused plan undoes only its own writes.
 
 What this backend adds to the plans of ``store.plans``: every transaction is one
 ``BEGIN IMMEDIATE ... COMMIT`` whose rounds run one after the other, and the store's clock
@@ -11,6 +13,7 @@ is this machine's, read once per transaction and bound as ``:now``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -71,6 +74,25 @@ def _execute(db: sqlite3.Connection, query: Query, now: float) -> Rows:
     params["now"] = now
     cursor = db.execute(statement.sql, statement.values(params))
     return cursor.fetchall() or [()] * cursor.rowcount
+
+
+def _execute_plan(db: sqlite3.Connection, plan: Callable[[], Plan[T]], now: float) -> T:
+    """Run every round of ``plan()`` in the transaction open on ``db``; its result."""
+    steps = plan()
+    sending = next(steps)
+    while True:
+        # Inline, not _execute(): this loop is the commit path's, once per statement.
+        answers = []
+        for name, params in sending.queries:
+            statement = _SQL[name]
+            params["now"] = now
+            cursor = db.execute(statement.sql, statement.values(params))
+            answers.append(cursor.fetchall() or [()] * cursor.rowcount)
+        try:
+            sending = steps.send(answers)
+        except StopIteration as finished:
+            result: T = finished.value
+            return result
 
 
 def path_from_url(url: str) -> str:
@@ -138,6 +160,8 @@ class SQLiteStore(SQLStore):
         # One connection per store; the lock keeps a transaction whole if the store is
         # shared by threads (a CLI command while a worker thread runs, tests).
         self._lock = threading.RLock()
+        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[], Plan[Any]], Any]]]
+        self._pending = {}
 
     def _tx(self, begin: str = "BEGIN IMMEDIATE") -> _Transaction:
         # BEGIN IMMEDIATE takes the write lock up front, so two writers never deadlock
@@ -170,23 +194,68 @@ class SQLiteStore(SQLStore):
     async def _run(
         self, plan: Callable[[], Plan[T]], *, idempotent: bool = False, read_only: bool = False
     ) -> T:
-        with self._tx("BEGIN" if read_only else "BEGIN IMMEDIATE") as db:
-            now = time.time()
-            steps = plan()
-            sending = next(steps)
-            while True:
-                # Inline, not _execute(): this loop is the commit path's, once per statement.
-                answers = []
-                for name, params in sending.queries:
-                    statement = _SQL[name]
-                    params["now"] = now
-                    cursor = db.execute(statement.sql, statement.values(params))
-                    answers.append(cursor.fetchall() or [()] * cursor.rowcount)
-                try:
-                    sending = steps.send(answers)
-                except StopIteration as done:
-                    result: T = done.value
-                    return result
+        if read_only:
+            with self._tx("BEGIN") as db:
+                return _execute_plan(db, plan, time.time())
+        # Group commit: the writes of every run of this loop that are ready at the same
+        # moment share one transaction, so one fsync, and each is answered once it is
+        # durable. They are flushed when the loop next runs its callbacks, after every
+        # task already woken has had its turn to queue its own.
+        loop = asyncio.get_running_loop()
+        pending = self._pending.setdefault(loop, [])
+        done: asyncio.Future[T] = loop.create_future()
+        pending.append((plan, done))
+        if len(pending) == 1:
+            loop.call_soon(self._flush, loop)
+        try:
+            return await done
+        except asyncio.CancelledError:
+            if not done.done() or done.cancelled():
+                raise  # withdrawn before its batch ran: nothing of it applied
+            # Its batch ran: like a commit that cannot be interrupted, it reports what it
+            # did, and the cancellation reaches the caller at its next await.
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()
+            task.cancel()
+            return done.result()
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        batch = [(plan, done) for plan, done in self._pending.pop(loop, []) if not done.done()]
+        if len(batch) == 1:
+            plan, done = batch[0]
+            try:
+                with self._tx("BEGIN IMMEDIATE") as db:
+                    result = _execute_plan(db, plan, time.time())
+            except Exception as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(result)
+            return
+        outcomes: list[tuple[asyncio.Future[Any], Exception | None, Any]] = []
+        try:
+            with self._tx("BEGIN IMMEDIATE") as db:
+                now = time.time()
+                for plan, done in batch:
+                    # A plan refused undoes only its own writes; an outage fails the batch.
+                    db.execute("SAVEPOINT plan")
+                    try:
+                        outcomes.append((done, None, _execute_plan(db, plan, now)))
+                    except Exception as exc:
+                        if type(exc) in _OUTAGES:
+                            raise
+                        db.execute("ROLLBACK TO plan")
+                        outcomes.append((done, exc, None))
+                    db.execute("RELEASE plan")
+        except Exception as exc:
+            for _, done in batch:
+                done.set_exception(exc)
+            return
+        for done, error, result in outcomes:
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
 
     async def _one(self, name: str, params: dict[str, Any], *, write: bool = False) -> Rows:
         with self._tx() if write else self._reading() as db:
