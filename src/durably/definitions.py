@@ -178,10 +178,22 @@ def signature_of(fn: Callable[..., Any]) -> inspect.Signature:
         )
 
 
+_POSITIONAL_OR_KEYWORD = inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+
 def bind_arguments(
     signature: inspect.Signature, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
     """The call's arguments by parameter name, defaults applied: what the input hash covers."""
+    params = signature.parameters
+    if (
+        not kwargs
+        and len(args) == len(params)
+        and all(p.kind is _POSITIONAL_OR_KEYWORD for p in params.values())
+    ):
+        # Every parameter given by position: what bind() would find, at a tenth of its cost
+        # (this runs for every call, replayed ones included).
+        return dict(zip(params, args, strict=True))
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:

@@ -95,6 +95,11 @@ def _execute_plan(db: sqlite3.Connection, plan: Callable[[], Plan[T]], now: floa
             return result
 
 
+def _single(query: Query) -> Plan[Rows]:
+    (rows,) = yield Round([query], final=True)
+    return rows
+
+
 def path_from_url(url: str) -> str:
     """``sqlite:///rel.db`` → ``rel.db``; ``sqlite:////abs.db`` → ``/abs.db``."""
     prefix = "sqlite:///"
@@ -258,7 +263,10 @@ class SQLiteStore(SQLStore):
                 done.set_result(result)
 
     async def _one(self, name: str, params: dict[str, Any], *, write: bool = False) -> Rows:
-        with self._tx() if write else self._reading() as db:
+        if write:
+            # Heartbeats of many runs at once share a transaction like their commits do.
+            return await self._run(lambda: _single((name, params)))
+        with self._reading() as db:
             return _execute(db, (name, params), time.time())
 
     def _pick(self, name: str, params: dict[str, Any]) -> Plan[Row | None]:
