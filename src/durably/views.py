@@ -43,7 +43,8 @@ class Run:
             tenant=r.tenant,
             created_at=r.created_at,
             updated_at=r.updated_at,
-            pause_requested=r.pause_requested is not None,
+            # A request the run finished before reaching a boundary holds nothing any more.
+            pause_requested=r.pause_requested is not None and not r.status.is_final,
         )
 
 

@@ -250,4 +250,6 @@ def test_resume_and_cancel_of_an_operator_paused_run(make_app: MakeApp) -> None:
     assert app.resume(resumed).result == 7  # resume lifts the operator's pause first
     cancelled = app.start(wf)
     app.pause(cancelled)
-    assert app.cancel(cancelled).status is RunStatus.CANCELLED
+    gone = app.cancel(cancelled)
+    assert gone.status is RunStatus.CANCELLED
+    assert not gone.pause_requested  # a finished run has no pause in force
