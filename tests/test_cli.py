@@ -383,6 +383,40 @@ def test_cancel_of_a_waiting_run(project: Path) -> None:
     assert durably("event", "a-1", "approved", "--event-id", "e1").exit_code == 1
 
 
+def test_pause_and_unpause_of_a_waiting_run(project: Path) -> None:
+    ok("start", "approval", "--run-id", "a-1")
+    ok("worker", "--until-idle")
+    waiting_for = ok_json("runs", "show", "a-1")["waiting_for"]
+
+    paused = ok("pause", "a-1", "--reason", "customer called", "--by", "ana")
+    assert paused.startswith("a-1: paused (operator_pause)\n")
+    assert "paused by ana: customer called" in paused
+    assert ok_json("pause", "a-1")["status"] == "paused"  # again: nothing changes
+    assert ok_json("runs", "show", "a-1")["waiting_for"] == waiting_for
+    ok("event", "a-1", "approved", "--payload", '{"ok": true}', "--event-id", "e1")
+    ok("worker", "--until-idle")
+    assert ok_json("runs", "show", "a-1")["status"] == "paused"  # the event is kept
+
+    unpaused = ok_json("unpause", "a-1", "--by", "ana")
+    assert (unpaused["status"], unpaused["pause_requested"]) == ("queued", False)
+    ok("worker", "--until-idle")
+    assert ok_json("runs", "show", "a-1")["result"] == {"ok": True}
+
+    for args, message in [
+        (("pause", "nope"), "error: no run 'nope'"),
+        (("unpause", "nope"), "error: no run 'nope'"),
+        (("pause", "a-1"), "error: run a-1 is completed (final)"),
+        (("unpause", "a-1"), "error: run a-1 is completed (final)"),
+    ]:
+        refused = durably(*args)
+        assert refused.exit_code == 1, args
+        assert refused.stderr.startswith(message), refused.stderr
+    ok("start", "approval", "--run-id", "a-2")
+    not_paused = durably("unpause", "a-2")
+    assert not_paused.exit_code == 1
+    assert "nothing to unpause" in not_paused.stderr
+
+
 def waiting_for_approval(run_id: str) -> dict[str, Any]:
     """Run the queued runs, then return ``run_id``'s one pending approval."""
     ok("worker", "--until-idle")

@@ -1,5 +1,5 @@
 """The operator's actions on runs, as engine functions: start, execute, resolve, resume,
-deliver an event, decide an approval, cancel.
+pause and unpause, deliver an event, decide an approval, cancel.
 
 Each validates what it is given (ids, texts, JSON) before anything is written, and writes
 through the store's fenced commit; the App facade, the CLI and the console call these.
@@ -261,7 +261,9 @@ async def resume(engine: Engine, run_id: str) -> None:
     """Make a paused run runnable again and execute it here."""
     store, record = await _open_run(engine, run_id)
     waiting = record.waiting_for or {}
-    if record.status_reason == PauseReason.PERMISSION and waiting.get("step_id"):
+    if record.status is RunStatus.PAUSED and record.status_reason == PauseReason.OPERATOR:
+        await unpause(engine, run_id, by="resume")
+    elif record.status_reason == PauseReason.PERMISSION and waiting.get("step_id"):
         # Resuming after re-authorisation: the refused call is attempted again.
         await resolve_effect(engine,
             run_id, str(waiting["step_id"]), "not_executed", by="resume"
@@ -275,6 +277,28 @@ async def resume(engine: Engine, run_id: str) -> None:
             ),
         )
     await execute(engine, run_id)
+
+
+async def pause(engine: Engine, run_id: str, *, reason: str | None, by: str) -> RunRecord:
+    """Pause the run at its next call boundary (at once if it is queued or waits): an effect
+    in flight lands and is recorded first. Asking again changes nothing."""
+    check_ref(run_id, "run id")
+    check_text(by, "by")
+    if reason is not None:
+        check_text(reason, "reason", max_chars=MAX_TEXT_CHARS, lines=True)
+    store = await engine.open()
+    message = f"paused by {by}" + (f": {reason}" if reason else "")
+    request = {"type": "OperatorPause", "message": message, "by": by, "reason": reason}
+    return await store.request_pause(run_id, plain_json(request))
+
+
+async def unpause(engine: Engine, run_id: str, *, by: str) -> RunRecord:
+    """Continue an operator-paused run (queued for a worker; a waiting run waits again for
+    the same thing), or withdraw a pause its worker has not reached yet."""
+    check_ref(run_id, "run id")
+    check_text(by, "by")
+    store = await engine.open()
+    return await store.withdraw_pause(run_id, by)
 
 
 async def send_event(

@@ -346,6 +346,27 @@ class App(Registration):
         """
         return self._loop.call(self.cancel_async(run_id, compensate=compensate))
 
+    async def pause_async(
+        self, run_id: str, *, reason: str | None = None, by: str = "operator"
+    ) -> Run:
+        return Run.from_record(await actions.pause(self.engine, run_id, reason=reason, by=by))
+
+    def pause(self, run_id: str, *, reason: str | None = None, by: str = "operator") -> Run:
+        """Pause a run at its next call boundary — an effect in flight lands and is recorded
+        first. A queued or waiting run pauses at once (a wait is kept for ``unpause``); one
+        held by a worker may still show running. Asking again changes nothing; a finished
+        run raises InvalidTransition."""
+        return self._loop.call(self.pause_async(run_id, reason=reason, by=by))
+
+    async def unpause_async(self, run_id: str, *, by: str = "operator") -> Run:
+        return Run.from_record(await actions.unpause(self.engine, run_id, by=by))
+
+    def unpause(self, run_id: str, *, by: str = "operator") -> Run:
+        """Continue an operator-paused run: queued for a worker (a run paused while waiting
+        waits again for the same approval, event or timer). Raises InvalidTransition for a
+        run no operator paused, or one paused for another reason (``resolve_effect`` it)."""
+        return self._loop.call(self.unpause_async(run_id, by=by))
+
     async def fork_async(
         self,
         run_id: str,

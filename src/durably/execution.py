@@ -105,6 +105,9 @@ class RunContext(CallIdentity):
     cancel_requested: int = 0
     """0: no; 1: cancel at the next boundary; 2: cancel and compensate."""
     cancelling: bool = False
+    pause_requested: dict[str, Any] | None = None
+    """An operator's pause request (the error the paused run shows): the run pauses at its
+    next boundary."""
     closing: bool = False
     """Set when this execution is about to release the run: no step or tool call starts."""
     approvals: dict[str, list[Approval]] = field(default_factory=dict)
@@ -185,6 +188,7 @@ class RunContext(CallIdentity):
             op.row_version,
             run.lease_until,
             run.cancel_requested,
+            run.pause_requested,
         )
 
     def renewed(self, sent_at: float) -> None:
@@ -295,10 +299,13 @@ class RunContext(CallIdentity):
             done.set_result(None)
 
     async def boundary(self) -> None:
-        """Before a call starts: stop here if the run is cancelled, or release it if the
-        worker is shutting down. Never in the middle of an effect."""
+        """Before a call starts: stop here if the run is cancelled, pause it if an operator
+        asked, or release it if the worker is shutting down. Never in the middle of an
+        effect."""
         if self.cancel_requested and not self.cancelling:
             raise Cancel
+        if self.pause_requested is not None and not self.cancelling and not self.stopped:
+            await self.release(lambda: self.commit(lambda: operator_paused(self)))
         if self.draining is not None and self.draining.is_set() and not self.stopped:
             released = Transition(
                 events=[EventWrite("run_released", None, {"reason": "shutdown"})], release=True
@@ -343,6 +350,7 @@ class RunContext(CallIdentity):
                 self.journal = before  # refused: the journal stays as the store has it
                 raise
             self.cancel_requested = committed.cancel_requested
+            self.pause_requested = committed.pause_requested
             if not t.release:
                 self.renewed(sent_at)
         if t.checkpoint is not None:
@@ -384,5 +392,18 @@ def ending(
         events=[EventWrite(event, None, {"reason": reason.value if reason else None, **error})],
         run=RunUpdate(status, status_reason=reason.value if reason else None, error=error),
         checkpoint=ctx.journal.draft(status=status, current_step=None) if ctx else None,
+        release=True,
+    )
+
+
+def operator_paused(ctx: RunContext) -> Transition:
+    """The transition that pauses the run for the operator who asked, and releases it."""
+    assert ctx.pause_requested is not None
+    error = dict(ctx.pause_requested)
+    reason = PauseReason.OPERATOR.value
+    return Transition(
+        events=[EventWrite("run_paused", None, {"reason": reason, **error})],
+        run=RunUpdate(RunStatus.PAUSED, status_reason=reason, error=error),
+        checkpoint=ctx.journal.draft(status=RunStatus.PAUSED, current_step=None),
         release=True,
     )

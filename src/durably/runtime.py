@@ -313,6 +313,7 @@ async def load_context(engine: Engine, claim: Claim) -> RunContext:
         operations={o.idempotency_key: o for o in journal.operations},
         signals=list(journal.signals),
         cancel_requested=journal.run.cancel_requested,
+        pause_requested=journal.run.pause_requested,
         lease_deadline=claim.sent_at + claim.lease.ttl_s,
         previous_lease_until=claim.previous_lease_until,
     )

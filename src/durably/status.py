@@ -95,6 +95,9 @@ class PauseReason(StrEnum):
     service's real outcome with ``resolve --succeeded --result``."""
     REPLAY_BLOCKED = "replay_blocked"
     """A fork reached a call its replay mode does not let through; nothing was sent."""
+    OPERATOR = "operator_pause"
+    """An operator paused the run (``pause``), at its next call boundary: ``unpause``
+    continues it."""
     CALL_NOT_AWAITED = "call_not_awaited"
     """The workflow returned leaving a step or tool call it created un-awaited (a missing
     ``await``): that call never happened; fix the code, then ``resume``."""

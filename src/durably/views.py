@@ -26,6 +26,9 @@ class Run:
     tenant: str
     created_at: float
     updated_at: float
+    pause_requested: bool = False
+    """An operator's pause is in force: the run is paused for it, or its worker pauses it at
+    its next call boundary."""
 
     @classmethod
     def from_record(cls, r: RunRecord) -> Run:
@@ -40,6 +43,8 @@ class Run:
             tenant=r.tenant,
             created_at=r.created_at,
             updated_at=r.updated_at,
+            # A request the run finished before reaching a boundary holds nothing any more.
+            pause_requested=r.pause_requested is not None and not r.status.is_final,
         )
 
 
@@ -61,6 +66,7 @@ def describe(journal: Journal) -> dict[str, Any]:
         "result": run.result,
         "error": run.error,
         "waiting_for": run.waiting_for,
+        "pause_requested": run.pause_requested,
         "created_at": run.created_at,
         "updated_at": run.updated_at,
         "steps": [

@@ -294,6 +294,35 @@ def test_paused_and_waiting_runs_are_not_claimed(store: Store) -> None:
     assert run(store.next_wakeup(["wf|1"])) is None
 
 
+def test_a_pause_asked_while_held_is_kept_by_the_wait_the_holder_commits(store: Store) -> None:
+    """A holder learns of a pause only from its commits: one asked just before it commits
+    a wait pauses the run instead of letting it wait (a cancel would go first)."""
+    run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    request = '{"type": "OperatorPause", "message": "paused by ana", "by": "ana"}'
+    asked = run(store.request_pause("r1", request))
+    assert (asked.status, asked.pause_requested) == (
+        RunStatus.RUNNING,
+        {"type": "OperatorPause", "message": "paused by ana", "by": "ana"},
+    )
+    assert run(store.request_pause("r1", request)) == asked  # asked twice: nothing more
+    waiting = RunUpdate(RunStatus.WAITING_EXTERNAL, waiting_for={"event": "paid"})
+    committed = run(store.commit(claim.lease, Transition(events=[], run=waiting, release=True)))
+    assert committed.pause_requested is not None
+    paused = run(store.get_run("r1"))
+    assert paused is not None
+    assert (paused.status, paused.status_reason) == (RunStatus.PAUSED, "operator_pause")
+    assert paused.waiting_for == {"event": "paid"}
+    assert paused.error is not None
+    assert paused.error["by"] == "ana"
+    assert [e.type for e in run(store.events("r1"))] == ["run_started", "pause_requested"]
+    assert run(store.claim_next("w2", 30, ["wf|1"])) is None
+    queued = run(store.withdraw_pause("r1", "ana"))
+    assert (queued.status, queued.pause_requested, queued.error) == (RunStatus.QUEUED, None, None)
+    assert run(store.claim_next("w2", 30, ["wf|1"])) is not None
+
+
 def test_list_runs_filters(store: Store) -> None:
     run(store.create_run(new_run("a", "wf")))
     run(store.create_run(new_run("b", "other")))

@@ -145,6 +145,11 @@ SLOTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "event --payload": (["event", "a-1", "approved", "--payload", X], JSON_CASES),
     "event --event-id": (["event", "a-1", "approved", "--event-id", X], TEXT_CASES),
     "cancel RUN_ID": (["cancel", X], ID_CASES),
+    "pause RUN_ID": (["pause", X], ID_CASES),
+    "pause --reason": (["pause", "a-1", "--reason", X], COMMENT_CASES),
+    "pause --by": (["pause", "a-1", "--by", X], TEXT_CASES),
+    "unpause RUN_ID": (["unpause", X], ID_CASES),
+    "unpause --by": (["unpause", "a-1", "--by", X], TEXT_CASES),
     "worker --lease-ttl": (["worker", "--until-idle", "--lease-ttl", X], SECONDS_CASES),
     "worker --concurrency": (["worker", "--until-idle", "--concurrency", X], COUNT_CASES),
 }

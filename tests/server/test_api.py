@@ -266,6 +266,49 @@ def test_resume_and_cancel(h: Harness) -> None:
     assert resumed.json()["error"] == "InvalidTransition"
 
 
+def test_pause_and_unpause(h: Harness) -> None:
+    wid = h.waiting("waiter", run_id="w-3")
+    waiting_for = h.client.get(f"/api/runs/{wid}").json()["waiting_for"]
+    p = h.client.post(f"/api/runs/{wid}/pause", json={"reason": "audit", "by": "ana"}, headers=AUTH)
+    assert p.status_code == 200, p.text
+    paused = p.json()
+    assert (paused["status"], paused["status_reason"]) == ("paused", "operator_pause")
+    assert paused["pause_requested"]
+    assert paused["error"]["message"] == "paused by ana: audit"
+    assert paused["waiting_for"] == waiting_for
+    again = h.client.post(f"/api/runs/{wid}/pause", headers=AUTH)
+    assert (again.status_code, again.json()) == (200, paused)
+    detail = h.client.get(f"/api/runs/{wid}").json()
+    assert detail["pause_requested"]
+    assert [e["type"] for e in detail["events"]][-1] == "run_paused"
+
+    u = h.client.post(f"/api/runs/{wid}/unpause", json={"by": "ana"}, headers=AUTH)
+    assert u.status_code == 200, u.text
+    assert (u.json()["status"], u.json()["pause_requested"]) == ("queued", False)
+    h.work()
+    assert h.status(wid) is RunStatus.WAITING_EXTERNAL  # the same wait again
+
+    refused = [
+        ("/api/runs/nope/pause", None, 404),
+        ("/api/runs/nope/unpause", None, 404),
+        (f"/api/runs/{wid}/unpause", None, 409),  # not paused
+        (f"/api/runs/{wid}/pause", {"reason": 7}, 422),
+        (f"/api/runs/{wid}/pause", {"reason": "x" * 10_001}, 422),
+        (f"/api/runs/{wid}/pause", {"by": ""}, 422),
+        (f"/api/runs/{wid}/pause", {"by": "a\u0000b"}, 422),
+        (f"/api/runs/{wid}/pause", {"typo": 1}, 422),
+        (f"/api/runs/{wid}/unpause", {"reason": "no such field"}, 422),
+    ]
+    for url, body, status in refused:
+        r = h.client.post(url, json=body, headers=AUTH)
+        assert r.status_code == status, (url, body, r.text)
+        assert r.json()["message"]
+    assert h.status(wid) is RunStatus.WAITING_EXTERNAL
+    h.client.post(f"/api/runs/{wid}/cancel", headers=AUTH)
+    final = h.client.post(f"/api/runs/{wid}/pause", headers=AUTH)
+    assert (final.status_code, final.json()["error"]) == (409, "InvalidTransition")
+
+
 def test_fork(h: Harness) -> None:
     rid = h.waiting("summing", 2, run_id="s-9")
     r = h.client.post(
@@ -298,6 +341,8 @@ MUTATING: list[tuple[str, dict[str, Any] | None]] = [
     ("/api/runs/{rid}/resume", None),
     ("/api/runs/{rid}/cancel", None),
     ("/api/runs/{rid}/fork", {"run_id": "fork-auth"}),
+    ("/api/runs/{rid}/pause", {"reason": "audit"}),
+    ("/api/runs/{rid}/unpause", None),
 ]
 
 

@@ -176,6 +176,41 @@ def test_resolve_an_unknown_effect_then_resume(
     assert done.result == {"charge_id": "ch-found-by-hand"}
 
 
+def test_pause_and_unpause_a_waiting_run_from_its_page(console: Console, page: Page) -> None:
+    """Paused from the page, the run waits for nothing until unpaused; unpaused, a worker
+    puts it back in the same wait for the same approval."""
+    app = console.app
+    run = app.run("mail_report", to="lead@example.com")
+    (approval,) = app.describe(run.run_id)["approvals"]
+
+    page.goto(f"{console.url}/runs/{run.run_id}")
+    page.locator("form[data-kind=pause] input[name=reason]").fill("customer called")
+    page.get_by_role("button", name="Pause", exact=True).click()
+    expect(page.locator("#run-status")).to_have_text("paused")
+    banner = page.locator("#attention-banner")
+    expect(banner).to_contain_text("operator_pause")
+    expect(banner).to_contain_text("paused by operator: customer called")
+    expect(page.locator("#pause-button")).to_have_count(0)
+    assert app.work_until_idle() == 0  # paused: no worker takes it
+
+    page.get_by_role("button", name="Unpause").click()
+    expect(page.locator("#run-status")).to_have_text("queued")
+    expect(page.locator("#pause-button")).to_have_count(1)
+    assert app.work_until_idle() == 1
+    page.reload()
+    expect(page.locator("#run-status")).to_have_text("waiting_approval")
+    (again,) = app.describe(run.run_id)["approvals"]
+    assert again["approval_id"] == approval["approval_id"]
+
+    page.get_by_role("button", name="Pause", exact=True).click()
+    expect(page.locator("#run-status")).to_have_text("paused")
+    app.unpause(run.run_id)  # behind the page's back: its Unpause now fails, shown inline
+    page.get_by_role("button", name="Unpause").click()
+    expect(page.locator("form[data-kind=unpause] .form-error")).to_contain_text(
+        "nothing to unpause"
+    )
+
+
 def test_fork_a_finished_run_from_its_page(console: Console, page: Page) -> None:
     """A completed run forked with its recorded answers: the page goes to the fork, which a
     worker then completes without sending anything again."""

@@ -26,7 +26,15 @@ from durably.store.base import (
 from durably.store.plans import Plan, Round
 
 LEASE = Lease("r1", "worker", 3, 30.0)
-FENCED = [{"last_sequence": 7, "state_version": 9, "lease_until": 99.0, "cancel_requested": 0}]
+FENCED = [
+    {
+        "last_sequence": 7,
+        "state_version": 9,
+        "lease_until": 99.0,
+        "cancel_requested": 0,
+        "pause_requested": None,
+    }
+]
 
 
 def step_commit(**changes: Any) -> Transition:
@@ -196,5 +204,10 @@ def test_a_run_that_starts_waiting_stays_due_if_cancelled_meanwhile() -> None:
     plan = plans.commit(LEASE, step_commit(run=waiting, wake_on_signal="paid", release=True))
     first_round(plan)
     second = plan.send([FENCED])
-    assert names(second)[:3] == ["update_run", "requeue_if_cancelled", "wake_on_signal"]
+    assert names(second)[:4] == [
+        "update_run",
+        "pause_if_requested",
+        "requeue_if_cancelled",
+        "wake_on_signal",
+    ]
     assert not second.notify

@@ -1,5 +1,6 @@
 """An operator acting on one run: ``approve``/``reject`` its pending approval, ``resolve``
-an unknown effect by hand, ``resume`` it, send it an ``event``, ``cancel`` it, or ``fork`` it."""
+an unknown effect by hand, ``resume`` it, send it an ``event``, ``pause``/``unpause`` it,
+``cancel`` it, or ``fork`` it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from durably.cli.base import (
     run_coro,
 )
 from durably.cli.render import echo, echo_decision, echo_json, echo_run
-from durably.status import ReplayMode
+from durably.status import PauseReason, ReplayMode, RunStatus
 
 Outcome = Literal["succeeded", "not_executed", "failed"]
 Decision = Literal["approved", "rejected"]
@@ -185,6 +186,55 @@ def cancel(config: Config, run_id: str, compensate: bool, as_json: bool) -> None
             f"note: a worker holds {run.run_id}; it cancels the run at its next call boundary "
             f"(check with `durably runs show {run.run_id}`)"
         )
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--reason", metavar="TEXT", help="Why; shown with the paused run.")
+@click.option(
+    "--by",
+    default=operator,
+    show_default=OPERATOR_DEFAULT,
+    help="Who paused it (recorded in the run's history).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
+@pass_config
+def pause(config: Config, run_id: str, reason: str | None, by: str, as_json: bool) -> None:
+    """Pause run RUN_ID at its next call boundary, never in the middle of an effect: a call
+    in flight lands and is recorded first. A queued or waiting run pauses at once (its wait
+    is kept). `durably unpause` continues it."""
+    app = config.app()
+    run = run_coro(app, lambda: app.pause_async(run_id, reason=reason, by=by))
+    echo_run(run, as_json)
+    if not as_json and run.status is not RunStatus.PAUSED:
+        echo(
+            f"note: a worker holds {run.run_id}; it pauses the run at its next call boundary "
+            f"(check with `durably runs show {run.run_id}`)"
+        )
+    elif not as_json and run.status_reason != PauseReason.OPERATOR:
+        echo(
+            f"note: {run.run_id} is paused for {run.status_reason}; settle that first, and it "
+            "then stays paused until `durably unpause`"
+        )
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option(
+    "--by",
+    default=operator,
+    show_default=OPERATOR_DEFAULT,
+    help="Who unpaused it (recorded in the run's history).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
+@pass_config
+def unpause(config: Config, run_id: str, by: str, as_json: bool) -> None:
+    """Continue run RUN_ID, paused by `durably pause`: it is queued for a worker, and a run
+    paused while waiting waits again for the same approval, event or timer. A pause its
+    worker has not reached yet is withdrawn."""
+    app = config.app()
+    run = run_coro(app, lambda: app.unpause_async(run_id, by=by))
+    echo_run(run, as_json)
 
 
 @cli.command()

@@ -82,6 +82,10 @@ class RunOut(BaseModel):
     tenant: str
     created_at: float
     updated_at: float
+    pause_requested: bool = Field(
+        description="An operator's pause is in force: the run is paused for it, or its "
+        "worker pauses it at its next call boundary."
+    )
 
     @classmethod
     def of(cls, run: Run) -> RunOut:
@@ -211,6 +215,7 @@ class RunDetail(BaseModel):
     result: Stored
     error: StoredObject | None
     waiting_for: StoredObject | None
+    pause_requested: bool
     created_at: float
     updated_at: float
     steps: list[StepOut]
@@ -282,6 +287,19 @@ class CancelIn(BaseModel):
     compensate: bool = Field(
         default=False, description="First run the compensations of the run's effects."
     )
+
+
+class PauseIn(BaseModel):
+    model_config = _STRICT
+
+    reason: _Text | None = Field(default=None, description="Why; shown with the paused run.")
+    by: _Id = "operator"
+
+
+class UnpauseIn(BaseModel):
+    model_config = _STRICT
+
+    by: _Id = "operator"
 
 
 class ForkIn(BaseModel):
@@ -471,6 +489,23 @@ async def cancel(app: AppDep, run_id: str, body: CancelIn | None = None) -> RunO
     """Cancel a run at its next call boundary (a run held by a worker may still show running)."""
     compensate = body.compensate if body else False
     return RunOut.of(await app.cancel_async(run_id, compensate=compensate))
+
+
+@router.post("/api/runs/{run_id}/pause", tags=["runs"], responses=_MUTATING)
+async def pause(app: AppDep, run_id: str, body: PauseIn | None = None) -> RunOut:
+    """Pause a run at its next call boundary: a queued or waiting run at once, one held by a
+    worker once its call in flight is recorded (it may still show running, with
+    ``pause_requested``). Pausing again changes nothing."""
+    spec = body or PauseIn()
+    return RunOut.of(await app.pause_async(run_id, reason=spec.reason, by=spec.by))
+
+
+@router.post("/api/runs/{run_id}/unpause", tags=["runs"], responses=_MUTATING)
+async def unpause(app: AppDep, run_id: str, body: UnpauseIn | None = None) -> RunOut:
+    """Queue an operator-paused run again for a worker (a paused wait waits again); 409 for
+    a run no operator paused, or one paused for another reason."""
+    spec = body or UnpauseIn()
+    return RunOut.of(await app.unpause_async(run_id, by=spec.by))
 
 
 @router.post("/api/runs/{run_id}/fork", tags=["runs"], responses=_MUTATING)

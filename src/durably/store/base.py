@@ -53,6 +53,8 @@ class RunRecord:
     """0: no; 1: cancel at the next boundary; 2: cancel and compensate."""
     key_scheme: int = 1
     """How this run's idempotency keys are derived (``keys.idempotency_key``); fixed at start."""
+    pause_requested: dict[str, Any] | None = None
+    """An operator's pause request (the error the paused run shows), until unpaused."""
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,8 @@ class Committed:
     operation_row_version: int | None
     lease_until: float | None
     cancel_requested: int = 0
+    pause_requested: dict[str, Any] | None = None
+    """The operator's pause request, if any: the run pauses at its next boundary."""
 
 
 @dataclass(frozen=True)
@@ -417,6 +421,22 @@ class Store(abc.ABC):
         """Flag the run for cancellation at its next boundary and make it due if it waits.
 
         Raises RunNotFound, or InvalidTransition for a finished run.
+        """
+
+    @abc.abstractmethod
+    async def request_pause(self, run_id: str, request_json: str) -> RunRecord:
+        """Record an operator's pause request (once): a queued or waiting run nobody holds
+        is paused now; a held one is paused by its holder at its next call boundary.
+
+        Raises RunNotFound, or InvalidTransition for a finished run.
+        """
+
+    @abc.abstractmethod
+    async def withdraw_pause(self, run_id: str, by: str) -> RunRecord:
+        """Withdraw the operator's pause: an operator-paused run is queued, due now.
+
+        Raises RunNotFound, or InvalidTransition for a finished run, one no operator asked
+        to pause, or one paused for another reason.
         """
 
     @abc.abstractmethod

@@ -160,6 +160,7 @@ def commit(guard: Lease | Expect, t: Transition) -> Plan[Committed]:
         None if o is None else 1 if o.expect_row_version is None else o.expect_row_version + 1,
         row["lease_until"],
         int(row["cancel_requested"]),
+        loads(row["pause_requested"]),
     )
 
 
@@ -249,8 +250,10 @@ def _following(
             )
         )
         if u.status in WAITING:
-            # A cancel requested while the run was still executing must not be lost behind
-            # a wait: the run stays due, and its next execution cancels it.
+            # Neither a pause nor a cancel requested while the run was still executing may
+            # be lost behind a wait: it pauses now, or stays due and its next execution
+            # cancels it.
+            rest.append(("pause_if_requested", {"run_id": run_id}))
             rest.append(("requeue_if_cancelled", {"run_id": run_id}))
     if t.plan_version is not None:
         rest.append(("set_plan_version", {"run_id": run_id, "plan_version": t.plan_version}))

@@ -48,6 +48,7 @@ def run_from_row(r: Row) -> RunRecord:
         updated_at=r["updated_at"],
         cancel_requested=int(r["cancel_requested"]),
         key_scheme=int(r["key_scheme"]),
+        pause_requested=loads(r["pause_requested"]),
     )
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from durably.status import RunStatus
-from durably.store import plans
+from durably.store import pause, plans
 from durably.store.base import (
     Approval,
     Claim,
@@ -133,6 +133,12 @@ class SQLStore(Store):
 
     async def request_cancel(self, run_id: str, *, compensate: bool) -> RunRecord:
         return await self._run(lambda: plans.request_cancel(run_id, compensate), idempotent=True)
+
+    async def request_pause(self, run_id: str, request_json: str) -> RunRecord:
+        return await self._run(lambda: pause.request_pause(run_id, request_json), idempotent=True)
+
+    async def withdraw_pause(self, run_id: str, by: str) -> RunRecord:
+        return await self._run(lambda: pause.withdraw_pause(run_id, by))
 
     async def unresolved_effects(self) -> dict[str, tuple[int, float]]:
         rows = await self._one("unresolved_effects", {})

@@ -114,6 +114,19 @@
         // The fork has a page of its own: go there.
         return { url: run + "/fork", body: spec, next: function (forked) { return "/runs/" + enc(forked.run_id); } };
       }
+      case "pause": {
+        var reason = (data.get("reason") || "").toString().trim();
+        if (!window.confirm("Pause run " + form.dataset.run + "? A call in flight finishes first; nothing more runs until it is unpaused.")) return null;
+        var pause = {};
+        if (reason) pause.reason = reason;
+        if (by) pause.by = by;
+        return { url: run + "/pause", body: pause };
+      }
+      case "unpause": {
+        var unpause = {};
+        if (by) unpause.by = by;
+        return { url: run + "/unpause", body: unpause };
+      }
       case "cancel": {
         var compensate = data.get("compensate") !== null;
         if (!window.confirm("Cancel this run" + (compensate ? " and compensate its effects" : "") + "? This is final.")) return null;

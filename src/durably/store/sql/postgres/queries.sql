@@ -99,7 +99,8 @@ UPDATE durably_runs SET last_sequence = last_sequence + %(events)s,
     lease_owner = CASE WHEN %(release)s THEN NULL ELSE lease_owner END,
     updated_at = extract(epoch FROM now())
 WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
-RETURNING last_sequence, state_version, lease_until, cancel_requested;
+RETURNING last_sequence, state_version, lease_until, cancel_requested,
+    pause_requested;
 
 -- name: fence_expect
 -- The fence of an operator's commit: no row unless the run is unchanged and unheld.
@@ -107,7 +108,8 @@ UPDATE durably_runs SET last_sequence = last_sequence + %(events)s,
     state_version = state_version + 1, updated_at = extract(epoch FROM now())
 WHERE run_id = %(run_id)s AND state_version = %(state_version)s
   AND (lease_owner IS NULL OR lease_until < extract(epoch FROM now()))
-RETURNING last_sequence, state_version, lease_until, cancel_requested;
+RETURNING last_sequence, state_version, lease_until, cancel_requested,
+    pause_requested;
 
 -- name: insert_operation
 -- A new tool operation; changes no row if its key is taken (another writer recorded it).
@@ -156,6 +158,12 @@ UPDATE durably_runs SET status = %(status)s, status_reason = %(status_reason)s,
     waiting_for_json = %(waiting_for_json)s,
     available_at = coalesce(%(available_at)s, available_at)
 WHERE run_id = %(run_id)s;
+
+-- name: pause_if_requested
+-- A run about to wait is paused instead if an operator asked meanwhile (a cancel goes first).
+UPDATE durably_runs SET status = 'paused', status_reason = 'operator_pause',
+    error_json = pause_requested
+WHERE run_id = %(run_id)s AND pause_requested IS NOT NULL AND cancel_requested = 0;
 
 -- name: requeue_if_cancelled
 -- A run about to wait stays due if a cancel was requested meanwhile.
@@ -284,6 +292,33 @@ UPDATE durably_runs SET cancel_requested = %(cancel)s, state_version = state_ver
         THEN 'queued' ELSE status END,
     available_at = CASE WHEN lease_owner IS NULL OR lease_until < extract(epoch FROM now())
         THEN extract(epoch FROM now()) ELSE available_at END
+WHERE run_id = %(run_id)s
+RETURNING *;
+
+-- name: lock_run_record
+-- The run, locked against its own commits until this transaction ends.
+SELECT * FROM durably_runs WHERE run_id = %(run_id)s
+FOR UPDATE;
+
+-- name: request_pause
+-- An operator's pause request (JSON); :at_once pauses the run now, keeping what it waits for.
+UPDATE durably_runs SET pause_requested = %(request)s, last_sequence = last_sequence + 1,
+    state_version = state_version + 1, updated_at = extract(epoch FROM now()),
+    status = CASE WHEN %(at_once)s THEN 'paused' ELSE status END,
+    status_reason = CASE WHEN %(at_once)s THEN 'operator_pause' ELSE status_reason END,
+    error_json = CASE WHEN %(at_once)s THEN %(request)s ELSE error_json END
+WHERE run_id = %(run_id)s
+RETURNING *;
+
+-- name: withdraw_pause
+-- The operator's pause is withdrawn; with :resume the operator-paused run is queued, due now.
+UPDATE durably_runs SET pause_requested = NULL, last_sequence = last_sequence + 1,
+    state_version = state_version + 1, updated_at = extract(epoch FROM now()),
+    status = CASE WHEN %(resume)s THEN 'queued' ELSE status END,
+    status_reason = CASE WHEN %(resume)s THEN NULL ELSE status_reason END,
+    error_json = CASE WHEN %(resume)s THEN NULL ELSE error_json END,
+    waiting_for_json = CASE WHEN %(resume)s THEN NULL ELSE waiting_for_json END,
+    available_at = CASE WHEN %(resume)s THEN extract(epoch FROM now()) ELSE available_at END
 WHERE run_id = %(run_id)s
 RETURNING *;
 

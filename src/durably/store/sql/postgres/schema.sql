@@ -27,7 +27,8 @@ CREATE TABLE durably_runs (
     created_at        DOUBLE PRECISION NOT NULL,
     updated_at        DOUBLE PRECISION NOT NULL,
     cancel_requested  SMALLINT NOT NULL DEFAULT 0,
-    key_scheme        SMALLINT NOT NULL DEFAULT 1
+    key_scheme        SMALLINT NOT NULL DEFAULT 1,
+    pause_requested   TEXT
 );
 
 -- Claims scan only runnable runs; a partial index keeps finished runs out of it.

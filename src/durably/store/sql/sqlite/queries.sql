@@ -88,7 +88,8 @@ UPDATE durably_runs SET last_sequence = last_sequence + :events,
     lease_owner = CASE WHEN :release THEN NULL ELSE lease_owner END,
     updated_at = :now
 WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoch = :epoch
-RETURNING last_sequence, state_version, lease_until, cancel_requested;
+RETURNING last_sequence, state_version, lease_until, cancel_requested,
+    pause_requested;
 
 -- name: fence_expect
 -- The fence of an operator's commit: no row unless the run is unchanged and unheld.
@@ -96,7 +97,8 @@ UPDATE durably_runs SET last_sequence = last_sequence + :events,
     state_version = state_version + 1, updated_at = :now
 WHERE run_id = :run_id AND state_version = :state_version
   AND (lease_owner IS NULL OR lease_until < :now)
-RETURNING last_sequence, state_version, lease_until, cancel_requested;
+RETURNING last_sequence, state_version, lease_until, cancel_requested,
+    pause_requested;
 
 -- name: insert_operation
 -- A new tool operation; changes no row if its key is taken (another writer recorded it).
@@ -139,6 +141,12 @@ UPDATE durably_runs SET status = :status, status_reason = :status_reason,
     result_json = coalesce(:result_json, result_json), error_json = :error_json,
     waiting_for_json = :waiting_for_json, available_at = coalesce(:available_at, available_at)
 WHERE run_id = :run_id;
+
+-- name: pause_if_requested
+-- A run about to wait is paused instead if an operator asked meanwhile (a cancel goes first).
+UPDATE durably_runs SET status = 'paused', status_reason = 'operator_pause',
+    error_json = pause_requested
+WHERE run_id = :run_id AND pause_requested IS NOT NULL AND cancel_requested = 0;
 
 -- name: requeue_if_cancelled
 -- A run about to wait stays due if a cancel was requested meanwhile.
@@ -261,6 +269,32 @@ UPDATE durably_runs SET cancel_requested = :cancel, state_version = state_versio
         THEN 'queued' ELSE status END,
     available_at = CASE WHEN lease_owner IS NULL OR lease_until < :now
         THEN :now ELSE available_at END
+WHERE run_id = :run_id
+RETURNING *;
+
+-- name: lock_run_record
+-- The run (SQLite's write lock is already held).
+SELECT * FROM durably_runs WHERE run_id = :run_id;
+
+-- name: request_pause
+-- An operator's pause request (JSON); :at_once pauses the run now, keeping what it waits for.
+UPDATE durably_runs SET pause_requested = :request, last_sequence = last_sequence + 1,
+    state_version = state_version + 1, updated_at = :now,
+    status = CASE WHEN :at_once THEN 'paused' ELSE status END,
+    status_reason = CASE WHEN :at_once THEN 'operator_pause' ELSE status_reason END,
+    error_json = CASE WHEN :at_once THEN :request ELSE error_json END
+WHERE run_id = :run_id
+RETURNING *;
+
+-- name: withdraw_pause
+-- The operator's pause is withdrawn; with :resume the operator-paused run is queued, due now.
+UPDATE durably_runs SET pause_requested = NULL, last_sequence = last_sequence + 1,
+    state_version = state_version + 1, updated_at = :now,
+    status = CASE WHEN :resume THEN 'queued' ELSE status END,
+    status_reason = CASE WHEN :resume THEN NULL ELSE status_reason END,
+    error_json = CASE WHEN :resume THEN NULL ELSE error_json END,
+    waiting_for_json = CASE WHEN :resume THEN NULL ELSE waiting_for_json END,
+    available_at = CASE WHEN :resume THEN :now ELSE available_at END
 WHERE run_id = :run_id
 RETURNING *;
 

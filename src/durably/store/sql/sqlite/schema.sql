@@ -71,7 +71,7 @@ CREATE TABLE durably_runs (
     available_at      REAL NOT NULL,
     created_at        REAL NOT NULL,
     updated_at        REAL NOT NULL
-, cancel_requested INTEGER NOT NULL DEFAULT 0, key_scheme INTEGER NOT NULL DEFAULT 1) WITHOUT ROWID;
+, cancel_requested INTEGER NOT NULL DEFAULT 0, key_scheme INTEGER NOT NULL DEFAULT 1, pause_requested TEXT) WITHOUT ROWID;
 
 CREATE TABLE durably_schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL);
 
