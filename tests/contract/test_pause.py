@@ -113,6 +113,45 @@ def test_a_running_run_pauses_at_its_next_boundary_after_the_effect_in_flight(
     assert calls == Counter(charge=1, notify=1)  # recorded once, never sent again
 
 
+def test_a_run_of_steps_pauses_at_the_boundary_after_the_step_in_flight(
+    make_app: MakeApp,
+) -> None:
+    """A step's commit (one round, no checkpoint) carries the request back like any other."""
+    app = make_app()
+    operator = make_app()
+    entered = threading.Event()
+    release = threading.Event()
+    calls = Counter[str]()
+
+    @app.step()
+    def think(i: int) -> int:
+        calls[f"think {i}"] += 1
+        if i == 1:
+            entered.set()
+            release.wait(10)
+        return i
+
+    @app.workflow()
+    async def wf() -> int:
+        return sum([await think(i) for i in range(1, 4)])
+
+    run_id = app.start(wf)
+    worker = threading.Thread(target=lambda: app.worker().run(until_idle=True))
+    worker.start()
+    try:
+        assert entered.wait(10)
+        assert operator.pause(run_id).pause_requested
+    finally:
+        release.set()
+        worker.join(20)
+    assert app.get_run(run_id).status_reason == "operator_pause"
+    assert calls == Counter({"think 1": 1})
+    app.unpause(run_id)
+    assert app.worker().run(until_idle=True) == 1
+    assert app.get_run(run_id).result == 6
+    assert calls == Counter({"think 1": 1, "think 2": 1, "think 3": 1})
+
+
 def test_a_paused_wait_for_an_event_waits_for_it_again_when_unpaused(make_app: MakeApp) -> None:
     app = make_app()
 

@@ -154,13 +154,20 @@ def commit(guard: Lease | Expect, t: Transition) -> Plan[Committed]:
     # A released run, or one an operator made runnable, can be claimed at once.
     wake = runnable and (t.release or (isinstance(guard, Expect) and t.run is not None))
     yield Round(following, final=True, notify=wake)
+    return _committed(
+        row, None if o is None else 1 if o.expect_row_version is None else o.expect_row_version + 1
+    )
+
+
+def _committed(fenced: Row, operation_row_version: int | None) -> Committed:
+    """What a commit tells its caller, from the row its fence returned."""
     return Committed(
-        last_sequence,
-        state_version,
-        None if o is None else 1 if o.expect_row_version is None else o.expect_row_version + 1,
-        row["lease_until"],
-        int(row["cancel_requested"]),
-        loads(row["pause_requested"]),
+        int(fenced["last_sequence"]),
+        int(fenced["state_version"]),
+        operation_row_version,
+        fenced["lease_until"],
+        int(fenced["cancel_requested"]),
+        loads(fenced["pause_requested"]),
     )
 
 
@@ -203,14 +210,7 @@ def _commit_in_one_round(guard: Lease, t: Transition, fence: Query) -> Plan[Comm
     fenced, *_ = yield Round(queries, final=True)
     if not fenced:
         raise lease_lost(guard)
-    row = fenced[0]
-    return Committed(
-        int(row["last_sequence"]),
-        int(row["state_version"]),
-        None,
-        row["lease_until"],
-        int(row["cancel_requested"]),
-    )
+    return _committed(fenced[0], None)
 
 
 def _step(s: StepWrite) -> dict[str, Any]:
