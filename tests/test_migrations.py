@@ -34,7 +34,7 @@ def test_concurrent_stores_migrate_once(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/shared.db"
     first, second = SQLiteStore(url), SQLiteStore(url)
     applied = asyncio.run(first.migrate()) + asyncio.run(second.migrate())
-    assert applied == [1, 2, 3, 4]
+    assert applied == [1, 2, 3, 4, 5]
 
 
 def postgres_catalog(url: str, schema: str) -> list[tuple[object, ...]]:
@@ -95,4 +95,4 @@ def test_concurrent_postgres_migrations_apply_once(postgres_schema: str) -> None
         results = list(
             pool.map(lambda _: Migrator("postgres", _MigrationTarget(url)).apply(), range(8))
         )
-    assert sorted(v for r in results for v in r) == [1, 2, 3, 4]
+    assert sorted(v for r in results for v in r) == [1, 2, 3, 4, 5]
