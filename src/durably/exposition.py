@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,8 +55,9 @@ class MetricsServer:
     ) -> None:
         # Before the first run: a counter's first sample must be 0 for increase() to see it.
         engine.metrics.know_tools(engine.registry.tool_names)
+        server = _IPv6Server if ":" in host else ThreadingHTTPServer
         try:
-            self._http = ThreadingHTTPServer((host, port), _handler(engine, loop))
+            self._http = server((host, port), _handler(engine, loop))
         except OSError as exc:
             raise ConfigurationError(
                 f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}); choose another "
@@ -76,6 +78,10 @@ class MetricsServer:
         self._http.shutdown()
         self._http.server_close()
         self._thread.join()
+
+
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
 
 
 def _url_host(host: str) -> str:

@@ -3,11 +3,13 @@ process, the counters of events only in the process that saw them."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -16,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 import durably
-from durably import RunStatus
+from durably import RunStatus, exposition
 from durably.cli import cli
 from durably.server import create_server
 from tests.worker import metricsapp
@@ -144,3 +146,13 @@ def test_a_taken_metrics_port_is_an_error(database_url: str) -> None:
         )
     assert result.exit_code != 0
     assert f"error: cannot serve metrics on 127.0.0.1:{port}" in result.output
+
+
+def test_a_store_that_does_not_answer_still_gets_the_counters_served(tmp_path: Path) -> None:
+    app = durably.App(f"sqlite:///{tmp_path}/missing-dir/ledger.db")
+    app.metrics.lease_expired.inc()
+    text = asyncio.run(exposition.scrape(app.engine)).decode()
+    found = samples(text)
+    assert value(found, "agent_ledger_up") == 0
+    assert value(found, "agent_step_lease_expired_total") == 1
+    assert value(found, "agent_tool_unknown_unresolved", tool="ship") is None
