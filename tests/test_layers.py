@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "durably.waits": 3,
     "durably.workflow_api": 3,
     "durably.worker": 3,
+    "durably.exposition": 3,
     "durably.subscription": 3,
     # the facade
     "durably.registration": 4,

@@ -338,7 +338,6 @@ async def decide(
     store = await engine.open()
     approval, expired = await store.decide_approval(run_id, approval_id, decision, by, comment)
     if expired:
-        engine.metrics.approval_expired.inc()
         raise ApprovalExpired(
             f"approval {approval.approval_id} of run {run_id} expired at "
             f"{approval.expires_at:.0f} (unix) before it was decided; the run will ask "

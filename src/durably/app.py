@@ -454,6 +454,8 @@ class App(Registration):
         concurrency: int = 1,
         lease_ttl: timedelta | None = None,
         recheck_paused: timedelta | None = timedelta(minutes=10),
+        metrics_host: str = "127.0.0.1",
+        metrics_port: int | None = None,
     ) -> Worker:
         """A worker that claims and executes this app's runnable runs (see :class:`Worker`)."""
 
@@ -462,6 +464,8 @@ class App(Registration):
             concurrency=concurrency,
             lease_ttl=lease_ttl or self.lease_ttl,
             recheck_paused=recheck_paused,
+            metrics_host=metrics_host,
+            metrics_port=metrics_port,
         )
 
 

@@ -71,6 +71,11 @@ class Registry:
         return self._compensations[tool.name]
 
     @property
+    def tool_names(self) -> list[str]:
+        """The registered tools' names."""
+        return sorted(self._tools)
+
+    @property
     def versions(self) -> list[str]:
         """The registered workflows as ``"<name>|<version>"``: what this code can run."""
         return sorted(

@@ -276,7 +276,6 @@ async def approval(
                 await wait.settle(wait.outcome, "approval_granted", use=use)
             except ApprovalExpired:
                 # It expired between the check and the store's judgement: ask again.
-                ctx.engine.metrics.approval_expired.inc()
                 now = await ctx.store.now()
                 await _request(
                     wait, name, payload, payload_json, payload_hash, latest, now + ttl, now

@@ -14,11 +14,13 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from durably import owners, runtime
 from durably.errors import ConfigurationError, InvalidTransition, StoreUnavailable
+from durably.exposition import MetricsServer
 from durably.status import PauseReason, RunStatus
 from durably.store.base import EventWrite, Expect, RunUpdate, Transition
 
@@ -37,6 +39,9 @@ class Worker:
     ``recheck_paused``: a run paused ``effect_state_unknown`` at a tool that can reconcile
     (the service could not say in time) is queued again once it has been paused that long,
     so the service is asked again without a person; ``None`` leaves it to a person.
+
+    ``metrics_port``: serve this process's Prometheus ``/metrics`` on ``metrics_host``
+    while the worker runs (one scrape target per worker process).
     """
 
     def __init__(
@@ -47,6 +52,8 @@ class Worker:
         lease_ttl: timedelta = timedelta(seconds=30),
         poll_interval: timedelta = timedelta(milliseconds=500),
         recheck_paused: timedelta | None = timedelta(minutes=10),
+        metrics_host: str = "127.0.0.1",
+        metrics_port: int | None = None,
     ) -> None:
         if concurrency < 1:
             raise ConfigurationError("worker concurrency must be at least 1")
@@ -56,6 +63,9 @@ class Worker:
         self.poll_interval_s = poll_interval.total_seconds()
         self.recheck_paused_s = None if recheck_paused is None else recheck_paused.total_seconds()
         self.worker_id = owners.owner_name("worker")
+        self.metrics_address = None if metrics_port is None else (metrics_host, metrics_port)
+        self.metrics_url: str | None = None
+        """Where this worker serves ``/metrics`` while it runs (None: it does not)."""
         self.executed = 0
         """Run executions performed (a run that waits and resumes counts each time)."""
         self._stopping = asyncio.Event()
@@ -95,6 +105,27 @@ class Worker:
     async def run_async(self, *, until_idle: bool = False) -> int:
         """The worker on the running loop; handles SIGTERM/SIGINT if that is the main one."""
         loop = self._loop = asyncio.get_running_loop()
+        async with self._serving_metrics(loop):
+            return await self._run_async(loop, until_idle)
+
+    @contextlib.asynccontextmanager
+    async def _serving_metrics(self, loop: asyncio.AbstractEventLoop) -> AsyncIterator[None]:
+        if self.metrics_address is None:
+            yield
+            return
+        # Opened before the first scrape, which would otherwise race this open with its own.
+        await self.engine.open()
+        server = MetricsServer(self.engine, loop, *self.metrics_address)
+        self.metrics_url = server.url
+        log.info("worker %s: serving metrics at %s", self.worker_id, server.url)
+        try:
+            yield
+        finally:
+            self.metrics_url = None
+            # Off the loop: a scrape in progress needs the loop to finish.
+            await asyncio.to_thread(server.close)
+
+    async def _run_async(self, loop: asyncio.AbstractEventLoop, until_idle: bool) -> int:
         handled: list[signal.Signals] = []
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,9 +12,11 @@ import pytest
 
 from durably.checkpoint import JournalState, from_stored
 from durably.errors import InvalidTransition, LeaseLostError, SchemaTooNew
+from durably.metrics import LedgerFigures
 from durably.status import OperationStatus, RunStatus, StepStatus
 from durably.store import open_store
 from durably.store.base import (
+    ApprovalRequest,
     EventWrite,
     Expect,
     NewRun,
@@ -342,19 +344,40 @@ def test_newer_schema_is_refused(
     run(newer.close())
 
 
-def test_unresolved_effects_are_counted_per_tool(store: Store) -> None:
-    """What the unknown-effect gauges read: unknown or reconciling operations, per tool."""
+def test_ledger_figures_are_read_from_what_was_recorded(store: Store) -> None:
+    """What the ledger metrics read: unknown or reconciling operations per tool, duplicates
+    reconciliations found, forks blocked, approvals that ran out."""
     run(store.create_run(new_run()))
     claim = run(store.claim_run("r1", "w1", 30))
     assert claim is not None
-    assert run(store.unresolved_effects()) == {}
+    assert run(store.ledger_figures()) == LedgerFigures()
     step = StepWrite("t#1", 1, "tool", "t", StepStatus.UNKNOWN, "ih", idempotency_key="k1")
+    now = run(store.now())
+    gone = ApprovalRequest("a1", "t#1", "tool", "t", "{}", "ih", "k1", 1, now - 1)
+    reconciled = [
+        EventWrite("effect_reconciled", "t#1", {"tool": "t", "duplicates": 2}),
+        EventWrite("effect_reconciled", "u#1", {"tool": "u", "answer": "failed"}),
+        EventWrite("effect_reconciled", "t#2", {"tool": "t", "duplicates": 1}),
+        EventWrite("effect_reconciled", "t#3", {"tool": "t", "duplicates": 0}),
+        EventWrite("run_paused", None, {"reason": "replay_blocked", "type": "ReplayBlocked"}),
+        EventWrite("run_paused", None, {"reason": "effect_state_unknown"}),
+    ]
     run(
         store.commit(
             claim.lease,
-            Transition(events=[], step=step, operation=op_write(status=OperationStatus.UNKNOWN)),
+            Transition(
+                events=reconciled,
+                step=step,
+                operation=op_write(status=OperationStatus.UNKNOWN),
+                request_approval=gone,
+            ),
         )
     )
-    ((tool, (count, since)),) = run(store.unresolved_effects()).items()
+    _, expired = run(store.decide_approval("r1", "a1", "approved", "ann", None))
+    assert expired
+    figures = run(store.ledger_figures())
+    ((tool, (count, since)),) = figures.unresolved.items()
     assert (tool, count) == ("t", 1)
     assert since <= time.time()
+    assert figures.duplicates == {"t": 3}
+    assert (figures.replays_blocked, figures.approvals_expired) == (1, 1)

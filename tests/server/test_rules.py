@@ -12,7 +12,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 from prometheus_client import Counter, Histogram
 
-from durably.metrics import Metrics
+from durably.metrics import LedgerFigures, Metrics
 
 RULES = resources.files("durably") / "alerts" / "durably.rules.yml"
 
@@ -24,7 +24,8 @@ REQUIRED = {
     "lease expiry rate": "agent_step_lease_expired_total",
     "tool-to-commit lag": "agent_checkpoint_after_tool_lag_seconds_bucket",
     "surge after recovery": "agent_step_recovery_total",
-    "expired approval attempted": "agent_approval_expired_attempt_total",
+    "approval expired": "agent_approval_expired_total",
+    "replay blocked": "agent_replay_side_effect_blocked_total",
 }
 
 
@@ -36,7 +37,8 @@ def rules() -> list[dict[str, Any]]:
 def exported_names() -> set[str]:
     """Every sample name the registry exposes once each labelled metric has a child."""
     metrics = Metrics()
-    metrics.observe_unresolved({"x": (1, 0.0)})  # the store-read gauges
+    # The figures read from the store.
+    metrics.ledger.observe(LedgerFigures(unresolved={"x": (1, 0.0)}, duplicates={"x": 1}))
     for value in vars(metrics).values():
         if isinstance(value, Counter | Histogram):
             labels = value._labelnames  # prometheus_client has no public accessor

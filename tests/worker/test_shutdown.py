@@ -15,10 +15,10 @@ from tests.worker import drainapp
 APP = "tests.worker.drainapp:app"
 
 
-def durably_cli(url: str, *args: str) -> subprocess.Popen[str]:
+def durably_cli(url: str, *args: str, app: str = APP) -> subprocess.Popen[str]:
     env = {**os.environ, "DURABLY_DATABASE_URL": url}
     return subprocess.Popen(
-        [sys.executable, "-m", "durably", "--app", APP, *args],
+        [sys.executable, "-m", "durably", "--app", app, *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -65,8 +65,20 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
     help="Queue again a run paused effect_state_unknown at a tool that can reconcile once it "
     "has been paused this long, so the service is asked again (0: at once).",
 )
+@click.option("--no-recheck", is_flag=True, help="Leave every paused run to a person (no recheck).")
 @click.option(
-    "--no-recheck", is_flag=True, help="Leave every paused run to a person (no recheck)."
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    envvar="DURABLY_METRICS_PORT",
+    help="Serve this worker's Prometheus metrics at http://HOST:PORT/metrics while it runs "
+    "(env: DURABLY_METRICS_PORT; default: not served).",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the metrics listen on (0.0.0.0 for a Prometheus on another machine: they "
+    "show counts and tool names, no run data, and have no token).",
 )
 @pass_config
 def worker(
@@ -76,13 +88,27 @@ def worker(
     lease_ttl: float | None,
     recheck_paused: float,
     no_recheck: bool,
+    metrics_port: int | None,
+    metrics_host: str,
 ) -> None:
     """Execute runnable runs. Runs until SIGINT/SIGTERM, or until idle with --until-idle;
-    several workers may share one database."""
+    several workers may share one database. With --metrics-port each worker process is a
+    Prometheus scrape target of its own."""
     app = config.app()
     ttl = app.lease_ttl if lease_ttl is None else timedelta(seconds=lease_ttl)
     recheck = None if no_recheck else timedelta(seconds=recheck_paused)
-    w = app.worker(concurrency=concurrency, lease_ttl=ttl, recheck_paused=recheck)
+    w = app.worker(
+        concurrency=concurrency,
+        lease_ttl=ttl,
+        recheck_paused=recheck,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
+    )
+    if metrics_port is not None:
+        echo(
+            f"durably worker {w.worker_id}: metrics at http://{metrics_host}:{metrics_port}/metrics",
+            err=True,
+        )
     executed = run_coro(app, lambda: w.run_async(until_idle=until_idle))
     echo(f"durably worker {w.worker_id}: executed {executed} run(s)", err=True)
 
@@ -210,9 +236,7 @@ def serve(
         err=True,
     )
     if not secrets:
-        echo(
-            "durably serve: no $DURABLY_WEBHOOK_SECRETS; /webhooks/events answers 503", err=True
-        )
+        echo("durably serve: no $DURABLY_WEBHOOK_SECRETS; /webhooks/events answers 503", err=True)
     listen(server, host=host, port=port, max_connections=max_connections)
 
 

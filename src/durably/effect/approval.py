@@ -68,12 +68,6 @@ class Approving(EffectCore):
     async def _reapprove(self, previous: Approval | ApprovalUse | None) -> None:
         """Request a new approval (the previous one expired, was used, or binds other input)."""
         now = await self.ctx.store.now()
-        if isinstance(previous, ApprovalUse) or (
-            isinstance(previous, Approval)
-            and previous.status == "approved"
-            and previous.expires_at <= now
-        ):
-            self.ctx.engine.metrics.approval_expired.inc()
         await self._wait_for_approval(
             uuid.uuid4().hex,
             now + self.tool.approval_ttl.total_seconds(),

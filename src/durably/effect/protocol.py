@@ -33,7 +33,7 @@ from durably.errors import (
 )
 from durably.execution import Cancel, Suspend
 from durably.ledger import Action, OperationView, decide
-from durably.status import FailureCategory
+from durably.status import FailureCategory, OperationStatus
 from durably.store.base import (
     OperationRecord,
 )
@@ -97,7 +97,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                     )
                 )
             elif action is Action.RETURN:
-                metrics.idempotency_hit.labels(tool=self.tool.name).inc()
+                # A recorded result replayed is no duplicate request: not an idempotency hit.
                 assert op is not None
                 if op.result_json is None and op.error:
                     await self._refuse_result(op.error, record=False)
@@ -113,9 +113,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 await self._execute()
             elif action is Action.WAIT:
                 assert op is not None
-                assert op.lease_until is not None
-                await asyncio.sleep(max(op.lease_until - time.time(), 0.05))
-                await self._refresh()
+                await self._wait_for_holder(op)
             elif action is Action.RECONCILE:
                 await self._reconcile()
             elif action is Action.RETRY:
@@ -133,6 +131,15 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 raise Cancel
             else:
                 await self._pause()
+
+    async def _wait_for_holder(self, op: OperationRecord) -> None:
+        """Another holder claimed this call: wait until its claim runs out, then look."""
+        assert op.lease_until is not None
+        await asyncio.sleep(max(op.lease_until - time.time(), 0.05))
+        await self._refresh()
+        if self.op is not None and self.op.status is OperationStatus.SUCCEEDED:
+            # That holder's send landed: the call is answered from the ledger, not sent again.
+            self.ctx.engine.metrics.idempotency_hit.labels(tool=self.tool.name).inc()
 
     async def _execute(self) -> None:
         if self.ctx.stopped:

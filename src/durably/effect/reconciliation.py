@@ -52,8 +52,9 @@ class Reconciling(EffectCore):
         answer = await self._ask()
         metrics.reconciliation.labels(result=answer.answer).inc()
         if answer.answer == "succeeded":
-            if answer.duplicates:
-                metrics.duplicate_side_effect.labels(tool=self.tool.name).inc(answer.duplicates)
+            # The effect had happened: this call is answered without a second one (the
+            # duplicates it reports are counted from the ledger's effect_reconciled event).
+            metrics.idempotency_hit.labels(tool=self.tool.name).inc()
             await self._record_success(
                 answer.result,
                 event="effect_reconciled",

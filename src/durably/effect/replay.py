@@ -41,7 +41,6 @@ class Replaying(EffectCore):
                     known_id=recorded.external_operation_id,
                 )
                 return True
-        self.ctx.engine.metrics.replay_blocked.inc()
         fork = self.ctx.run.input["fork"]
         why = {
             ReplayMode.DISABLED: "the fork's replay mode is DISABLED",

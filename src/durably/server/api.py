@@ -19,6 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from durably.app import App
 from durably.errors import DurablyError, InvalidInput
+from durably.exposition import scrape
 from durably.server.errors import DurablyRoute, ErrorOut, error_response
 from durably.server.settings import durably_app
 from durably.status import ReplayMode, RunStatus
@@ -361,10 +362,9 @@ async def health(app: AppDep) -> Any:
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text."}},
 )
 async def metrics(app: AppDep) -> Response:
-    """The app's Prometheus metrics (unknown-effect gauges read from the store now)."""
-    store = await app.open()
-    app.metrics.observe_unresolved(await store.unresolved_effects())
-    return Response(content=app.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    """This process's Prometheus metrics, with the ledger's figures read from the store now
+    (the same on every scrape target: see docs/architecture.md#metrics)."""
+    return Response(content=await scrape(app.engine), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/api/runs", tags=["runs"])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from durably.checkpoint import CheckpointDraft
+from durably.metrics import LedgerFigures
 from durably.status import OperationStatus, RunStatus, StepStatus
 
 RUNNABLE = (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.RECONCILING)
@@ -457,9 +458,10 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def unresolved_effects(self) -> dict[str, tuple[int, float]]:
-        """Per tool: how many effects are unknown or reconciling, and since when (the
-        oldest ``updated_at``) — what an operator must settle."""
+    async def ledger_figures(self) -> LedgerFigures:
+        """The ledger's figures for metrics, read in one snapshot: effects an operator must
+        settle (unknown, reconciling, or executing past their lease), duplicates found,
+        replays blocked and approvals expired."""
 
     @abc.abstractmethod
     async def undelivered(

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from durably.metrics import LedgerFigures
 from durably.status import RunStatus
 from durably.store import pause, plans
 from durably.store.base import (
@@ -140,9 +141,24 @@ class SQLStore(Store):
     async def withdraw_pause(self, run_id: str, by: str) -> RunRecord:
         return await self._run(lambda: pause.withdraw_pause(run_id, by))
 
-    async def unresolved_effects(self) -> dict[str, tuple[int, float]]:
-        rows = await self._one("unresolved_effects", {})
-        return {r["tool_name"]: (int(r["n"]), float(r["since"])) for r in rows}
+    async def ledger_figures(self) -> LedgerFigures:
+        unresolved: dict[str, tuple[int, float]] = {}
+        duplicates: dict[str, int] = {}
+        totals: dict[str, int] = {}
+        for r in await self._one("ledger_figures", {}):
+            figure, label, n = r["figure"], r["label"], int(r["n"] or 0)
+            if figure == "unresolved":
+                unresolved[label] = (n, float(r["since"]))
+            elif figure == "duplicates":
+                duplicates[label] = n
+            else:
+                totals[figure] = n
+        return LedgerFigures(
+            unresolved=unresolved,
+            duplicates=duplicates,
+            replays_blocked=totals.get("replays_blocked", 0),
+            approvals_expired=totals.get("approvals_expired", 0),
+        )
 
     async def undelivered(
         self, consumer: str, limit: int, *, skip_runs: Sequence[str] = ()

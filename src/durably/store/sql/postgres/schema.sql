@@ -141,3 +141,8 @@ CREATE TABLE durably_approvals (
 );
 
 CREATE INDEX durably_approvals_run ON durably_approvals (run_id, step_id);
+
+CREATE INDEX durably_events_paused ON durably_events (run_id) WHERE type = 'run_paused';
+
+CREATE INDEX durably_events_reconciled ON durably_events (run_id)
+    WHERE type = 'effect_reconciled';

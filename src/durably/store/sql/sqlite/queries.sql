@@ -345,11 +345,26 @@ WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waitin
   AND workflow || '|' || workflow_version IN (SELECT value FROM json_each(:workflows))
   AND (lease_owner IS NULL OR lease_until < :now);
 
--- name: unresolved_effects
--- Per tool: how many effects an operator must settle, and since when.
-SELECT tool_name, count(*) AS n, min(updated_at) AS since FROM durably_tool_operations
+-- name: ledger_figures
+-- The ledger's figures for metrics, one row per figure (and label): effects an operator must
+-- settle per tool and since when, duplicates reconciliations found per tool, forks paused
+-- because their replay mode blocked an effect, approvals that ran out.
+SELECT 'unresolved' AS figure, tool_name AS label, count(*) AS n, min(updated_at) AS since
+FROM durably_tool_operations
 WHERE status IN ('unknown', 'reconciling') OR (status = 'executing' AND lease_until < :now)
-GROUP BY tool_name;
+GROUP BY tool_name
+UNION ALL
+SELECT 'duplicates', json_extract(payload_json, '$.tool'),
+    sum(json_extract(payload_json, '$.duplicates')), NULL
+FROM durably_events
+WHERE type = 'effect_reconciled' AND json_extract(payload_json, '$.duplicates') > 0
+GROUP BY 2
+UNION ALL
+SELECT 'replays_blocked', NULL, count(*), NULL FROM durably_events
+WHERE type = 'run_paused' AND json_extract(payload_json, '$.reason') = 'replay_blocked'
+UNION ALL
+SELECT 'approvals_expired', NULL, count(*), NULL FROM durably_approvals
+WHERE status = 'expired';
 
 -- name: undelivered
 -- Events a consumer has not acknowledged, but those of the skipped runs (a JSON list).

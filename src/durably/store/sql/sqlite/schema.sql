@@ -133,6 +133,11 @@ CREATE TABLE durably_tool_operations (
 
 CREATE INDEX durably_approvals_run ON durably_approvals (run_id, step_id);
 
+CREATE INDEX durably_events_paused ON durably_events (run_id) WHERE type = 'run_paused';
+
+CREATE INDEX durably_events_reconciled ON durably_events (run_id)
+    WHERE type = 'effect_reconciled';
+
 CREATE INDEX durably_runs_created ON durably_runs (created_at);
 
 CREATE INDEX durably_runs_runnable ON durably_runs (status, available_at);
