@@ -177,11 +177,7 @@ def test_parallel_calls_replay_in_another_order(app: durably.App, shop: ShopServ
 # -- a crash at every point, recovered in a fresh process ----------------------------------------
 
 crash_matrix = harness.matrix_fixture("tests.integrations.agentapp")
-SCENARIOS = [s for s in harness.scenarios() if not (s.kind == "approval" and s.mode == "parallel")]
-"""Parallel calls needing approval are left out: once the first is approved, the next
-process records its intent and ``app.run`` returns with the run ``running`` and nothing
-sent. The engine does not settle a suspension raised in a sibling task of a task group
-(``asyncio.TaskGroup`` makes ``app.run`` raise a ``BaseExceptionGroup`` of ``Suspend``)."""
+SCENARIOS = harness.scenarios()
 
 
 @pytest.mark.crash
