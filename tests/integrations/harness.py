@@ -397,12 +397,15 @@ class Scenario:
 def scenarios(
     modes: tuple[tuple[str, int], ...] = (("sequential", 1), ("parallel", 1)),
 ) -> list[Scenario]:
-    """Every crash point, every kind, every one of ``modes`` (mode, latency seed)."""
+    """Every crash point a kind reaches, every kind, every one of ``modes`` (mode, latency
+    seed). Only ``approval`` reaches ``approval.after_request``: elsewhere it would be a run
+    without a crash, which the framework's own tests cover."""
     return [
         Scenario(point, kind, mode, seed)
         for point in CRASH_POINTS
         for kind in KINDS
         for mode, seed in modes
+        if point != "approval.after_request" or kind == "approval"
     ]
 
 
@@ -489,8 +492,8 @@ def run_matrix(
 ) -> dict[Scenario, Outcome]:
     """Each scenario run in ``module``'s fork server, :data:`AT_ONCE` at a time: started with
     the crash armed, recovered after it in a fresh process, carried on after each wait by
-    :func:`_person`. The crash stays armed until it fires, so a point reached only after an
-    approval or a settlement is crashed at there."""
+    :func:`_person`, taken over when a process lost its lease. The crash stays armed until
+    it fires, so a point reached only after an approval or a settlement is crashed there."""
     server = ForkServer(module, workdir)
     outcomes = {
         s: Outcome(f"sqlite:///{workdir}/{s.name}.db", f"run-{uuid.uuid4().hex[:12]}", s.name)
@@ -529,7 +532,10 @@ def run_matrix(
             last.shop_after = rows(shop, outcome.customer)
             if len(outcome.children) >= ROUNDS:
                 continue
-            if proc.code == 77 or (proc.run is not None and _person(shop, outcome, proc.run)):
+            # A process starved past its lease (a busy machine) stops with the run
+            # ``running``: another takes it over, as a worker would.
+            stopped = proc.run is not None and proc.run["status"] == "running"
+            if proc.code == 77 or stopped or (proc.run and _person(shop, outcome, proc.run)):
                 spawn(scenario, "recover")
         return outcomes
     finally:
@@ -586,8 +592,7 @@ def _assert_processes(scenario: Scenario, outcome: Outcome) -> dict[str, Any]:
     model only turns not recorded before it; the last one completed the run."""
     children = outcome.children
     explain = "\n".join(f"{c.role}: {c.proc and c.proc.explain()}" for c in children)
-    reached = scenario.point != "approval.after_request" or scenario.kind == "approval"
-    assert len(outcome.crashed) == int(reached), explain
+    assert len(outcome.crashed) == 1, explain
     for child in children:
         assert child.proc is not None, explain
         if child.proc.code == 77:
