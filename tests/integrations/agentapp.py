@@ -1,14 +1,15 @@
 """An OpenAI Agents SDK agent in a durably workflow, executed in real processes by the tests.
 
 The SDK's own ``Runner.run`` loop drives :class:`ScriptedModel`, an offline model that
-decides from the conversation alone (:func:`tests.integrations.harness.next_calls`, like a
+decides from the conversation alone (:func:`tests.integrations.shopapp.next_calls`, like a
 model at temperature 0) and, like a real one, stamps fresh random tool call ids and item ids
 on every answer: a turn asked twice would call its tools under new ids. Its tools are the
-harness's :func:`~tests.integrations.harness.shop_tools`, one per kind of effect; the
+:func:`~tests.integrations.shopapp.shop_tools`, one per kind of effect; the
 parallel calls of a turn sleep seeded latencies, so the SDK finishes them in an order that
 differs between seeds and between the dead process and the recovering one.
 
-``python -m tests.integrations.agentapp serve`` is the harness's fork server on this app.
+``python -m tests.integrations.agentapp serve`` is
+:func:`tests.integrations.shopapp.main`'s fork server on this app.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ from openai.types.responses.response_prompt_param import ResponsePromptParam
 import durably
 from durably.integrations import openai_agents
 from durably.integrations.openai_agents import durable_tool
-from tests.integrations import harness
+from tests.integrations import shopapp
 
 set_tracing_disabled(True)  # offline: no trace export
 
-app = harness.crash_app()
-TOOLS = harness.shop_tools(app)
+app = shopapp.crash_app()
+TOOLS = shopapp.shop_tools(app)
 
 
 # -- the model ----------------------------------------------------------------------------
@@ -80,14 +81,14 @@ def tool_call(name: str, arguments: dict[str, Any]) -> TResponseOutputItem:
 def answer(items: str | list[TResponseInputItem]) -> list[TResponseOutputItem]:
     """What a model at temperature 0 answers to this conversation."""
     plan, outputs = plan_of(items), tool_outputs(items)
-    calls = harness.next_calls(plan, outputs)
+    calls = shopapp.next_calls(plan, outputs)
     if calls is not None:
         return [tool_call(plan["tool"], a) for a in calls]
-    return [assistant_message(harness.final_answer(outputs), item_id=f"msg_{uuid.uuid4().hex}")]
+    return [assistant_message(shopapp.final_answer(outputs), item_id=f"msg_{uuid.uuid4().hex}")]
 
 
 class ScriptedModel(Model):
-    """An offline model: :func:`answer`, with usage, counted in ``harness.MODEL_CALLS``."""
+    """An offline model: :func:`answer`, with usage, counted in ``shopapp.MODEL_CALLS``."""
 
     model = "scripted-1"
 
@@ -108,7 +109,7 @@ class ScriptedModel(Model):
         conversation_id: str | None,
         prompt: ResponsePromptParam | None,
     ) -> ModelResponse:
-        harness.MODEL_CALLS[durably.current_run().run_id] += 1
+        shopapp.MODEL_CALLS[durably.current_run().run_id] += 1
         items = 1 if isinstance(input, str) else len(input)
         usage = Usage(requests=1, input_tokens=10 * items, output_tokens=7)
         usage.total_tokens = usage.input_tokens + usage.output_tokens
@@ -161,4 +162,4 @@ async def shop_agent(customer: str, campaign: str, tool: str, mode: str) -> dict
 
 
 if __name__ == "__main__":
-    harness.main(app, sys.argv[1:])
+    shopapp.main(app, sys.argv[1:])

@@ -2,15 +2,15 @@
 
 A LangGraph ``StateGraph`` (a model node, then ``ToolNode``, until the model answers) drives
 :class:`ScriptedChatModel`: an offline LangChain chat model that decides from the
-conversation alone (:func:`tests.integrations.harness.next_calls`, like a model at
+conversation alone (:func:`tests.integrations.shopapp.next_calls`, like a model at
 temperature 0) and, like a real one, stamps fresh random tool call ids on every answer, so
 a turn asked twice would call its tools under new ids. It is wrapped in
-``DurableChatModel``. Its tools are the harness's
-:func:`~tests.integrations.harness.shop_tools`, one per kind of effect; ``ToolNode`` runs a
+``DurableChatModel``. Its tools are
+:func:`~tests.integrations.shopapp.shop_tools`, one per kind of effect; ``ToolNode`` runs a
 turn's calls concurrently.
 
-``python -m tests.integrations.langgraph_agentapp serve`` is the harness's fork server on
-this app.
+``python -m tests.integrations.langgraph_agentapp serve`` is
+:func:`tests.integrations.shopapp.main`'s fork server on this app.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from langgraph.prebuilt import ToolNode, tools_condition
 
 import durably
 from durably.integrations.langgraph import DurableChatModel, durable_tool
-from tests.integrations import harness
+from tests.integrations import shopapp
 
-app = harness.crash_app()
-TOOLS = harness.shop_tools(app)
+app = shopapp.crash_app()
+TOOLS = shopapp.shop_tools(app)
 
 
 # -- the model ----------------------------------------------------------------------------
@@ -66,14 +66,14 @@ def tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
 def answer(messages: Sequence[BaseMessage]) -> AIMessage:
     """What a model at temperature 0 answers to this conversation."""
     plan, outputs = plan_of(messages), tool_outputs(messages)
-    calls = harness.next_calls(plan, outputs)
+    calls = shopapp.next_calls(plan, outputs)
     if calls is not None:
         return AIMessage("", tool_calls=[tool_call(plan["tool"], a) for a in calls])
-    return AIMessage(harness.final_answer(outputs))
+    return AIMessage(shopapp.final_answer(outputs))
 
 
 class ScriptedChatModel(BaseChatModel):
-    """An offline chat model: ``decide``, with usage, counted in ``harness.MODEL_CALLS``."""
+    """An offline chat model: ``decide``, with usage, counted in ``shopapp.MODEL_CALLS``."""
 
     decide: Callable[[Sequence[BaseMessage]], AIMessage] = answer
     model_name: str = "scripted-1"
@@ -103,7 +103,7 @@ class ScriptedChatModel(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        harness.MODEL_CALLS[durably.current_run().run_id] += 1
+        shopapp.MODEL_CALLS[durably.current_run().run_id] += 1
         message = self.decide(messages)
         message.usage_metadata = {
             "input_tokens": 10 * len(messages),
@@ -152,4 +152,4 @@ async def shop_agent(customer: str, campaign: str, tool: str, mode: str) -> dict
 
 
 if __name__ == "__main__":
-    harness.main(app, sys.argv[1:])
+    shopapp.main(app, sys.argv[1:])

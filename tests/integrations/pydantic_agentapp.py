@@ -2,13 +2,13 @@
 
 Pydantic AI's own ``agent.run`` loop drives :func:`answer` through its ``FunctionModel``:
 an offline model that decides from the conversation alone
-(:func:`tests.integrations.harness.next_calls`, like a model at temperature 0) and, like a
+(:func:`tests.integrations.shopapp.next_calls`, like a model at temperature 0) and, like a
 real one, stamps fresh random tool call ids on every answer, so a turn asked twice would
-call its tools under new ids. Its tools are the harness's
-:func:`~tests.integrations.harness.shop_tools`, one per kind of effect.
+call its tools under new ids. Its tools are
+:func:`~tests.integrations.shopapp.shop_tools`, one per kind of effect.
 
-``python -m tests.integrations.pydantic_agentapp serve`` is the harness's fork server on
-this app.
+``python -m tests.integrations.pydantic_agentapp serve`` is
+:func:`tests.integrations.shopapp.main`'s fork server on this app.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from pydantic_ai.usage import RequestUsage
 
 import durably
 from durably.integrations.pydantic_ai import DurablyDurability, durable_tool
-from tests.integrations import harness
+from tests.integrations import shopapp
 
-app = harness.crash_app()
-TOOLS = harness.shop_tools(app)
+app = shopapp.crash_app()
+TOOLS = shopapp.shop_tools(app)
 
 
 # -- the model ----------------------------------------------------------------------------
@@ -76,19 +76,19 @@ def tool_call(name: str, arguments: dict[str, Any]) -> ToolCallPart:
 def answer(messages: list[ModelMessage]) -> list[Any]:
     """What a model at temperature 0 answers to this conversation."""
     plan, outputs = plan_of(messages), tool_outputs(messages)
-    calls = harness.next_calls(plan, outputs)
+    calls = shopapp.next_calls(plan, outputs)
     if calls is not None:
         return [tool_call(plan["tool"], a) for a in calls]
-    return [TextPart(harness.final_answer(outputs))]
+    return [TextPart(shopapp.final_answer(outputs))]
 
 
 def scripted_model(
     decide: Callable[[list[ModelMessage]], list[Any]] = answer, name: str = "scripted-1"
 ) -> FunctionModel:
-    """An offline model: ``decide``, with usage, counted in ``harness.MODEL_CALLS``."""
+    """An offline model: ``decide``, with usage, counted in ``shopapp.MODEL_CALLS``."""
 
     def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-        harness.MODEL_CALLS[durably.current_run().run_id] += 1
+        shopapp.MODEL_CALLS[durably.current_run().run_id] += 1
         usage = RequestUsage(input_tokens=10 * len(messages), output_tokens=7)
         return ModelResponse(parts=decide(messages), usage=usage, model_name=name)
 
@@ -114,4 +114,4 @@ async def shop_agent(customer: str, campaign: str, tool: str, mode: str) -> dict
 
 
 if __name__ == "__main__":
-    harness.main(app, sys.argv[1:])
+    shopapp.main(app, sys.argv[1:])

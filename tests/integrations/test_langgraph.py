@@ -42,21 +42,11 @@ import durably
 from durably import RunStatus
 from durably.demo.shop import ShopService, post_json
 from durably.integrations.langgraph import DurableChatModel, canonical_request, durable_tool
-from tests.integrations import harness
+from tests.integrations import harness, shopapp
 from tests.integrations import langgraph_agentapp as agentapp
-from tests.integrations.harness import (
-    CALLS,
-    CAMPAIGN,
-    CAMPAIGNS,
-    MODEL_CALLS,
-    ROOT,
-    TURNS,
-    model_steps,
-    plan,
-    rows,
-    steps,
-)
+from tests.integrations.harness import ROOT, model_steps, rows, steps
 from tests.integrations.langgraph_agentapp import ScriptedChatModel, agent_graph
+from tests.integrations.shopapp import CALLS, CAMPAIGN, CAMPAIGNS, MODEL_CALLS, TURNS, plan
 
 Decide = Callable[[Sequence[BaseMessage]], AIMessage]
 
@@ -111,7 +101,7 @@ def test_the_graph_records_turns_and_calls_tools_by_call_id(
     """Sequential: one tool call per turn; parallel: three in one turn, run concurrently by
     ``ToolNode``. Every generation is one recorded step, every tool call a durably effect
     at the model's call id; starting the run again replays it and sends nothing."""
-    graph = graph_of(app, harness.order_tool(app, shop))
+    graph = graph_of(app, shopapp.order_tool(app, shop))
     workflow = agent_workflow(app, lambda: graph)
     run = app.run(workflow, **plan(customer, mode))
     assert run.status is RunStatus.COMPLETED, run.error
@@ -473,7 +463,7 @@ def test_the_hash_leaves_out_message_ids_and_metadata_but_not_tool_arguments() -
 def test_recorded_usage_counts_against_the_budget(
     app: durably.App, shop: ShopService, customer: str
 ) -> None:
-    graph = graph_of(app, harness.order_tool(app, shop))
+    graph = graph_of(app, shopapp.order_tool(app, shop))
 
     @app.workflow(budget=durably.Budget(max_tokens=40))
     async def frugal(request: dict[str, str]) -> Any:
@@ -490,7 +480,7 @@ def test_a_checkpointer_is_refused(app: durably.App, shop: ShopService, customer
     """A graph compiled with a checkpointer is refused at its first recorded call: the model
     (``DurableChatModel``), or a durable tool when the model is not recorded. Nothing is
     asked or sent."""
-    place_order = harness.order_tool(app, shop)
+    place_order = shopapp.order_tool(app, shop)
     tools = [durable_tool(place_order)]
     graphs = {
         where: agent_graph(model, tools, checkpointer=InMemorySaver())

@@ -39,20 +39,10 @@ from durably import RunStatus
 from durably.demo.shop import ShopService, post_json
 from durably.integrations import openai_agents
 from durably.integrations.openai_agents import DurableModel, durable_tool
-from tests.integrations import agentapp, harness
+from tests.integrations import agentapp, harness, shopapp
 from tests.integrations.agentapp import ScriptedModel
-from tests.integrations.harness import (
-    CALLS,
-    CAMPAIGN,
-    CAMPAIGNS,
-    MODEL_CALLS,
-    ROOT,
-    TURNS,
-    model_steps,
-    plan,
-    rows,
-    steps,
-)
+from tests.integrations.harness import ROOT, model_steps, rows, steps
+from tests.integrations.shopapp import CALLS, CAMPAIGN, CAMPAIGNS, MODEL_CALLS, TURNS, plan
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -110,7 +100,7 @@ def test_the_sdk_loop_records_turns_and_calls_tools_by_call_id(
 ) -> None:
     """Sequential: one tool call per turn; parallel: three in one turn. Every turn is one
     recorded model step, every tool call a durably effect at the model's call id."""
-    agent = agent_of(app, harness.order_tool(app, shop))
+    agent = agent_of(app, shopapp.order_tool(app, shop))
     workflow = agent_workflow(app, lambda: agent)
     run = app.run(workflow, **plan(customer, mode))
     assert run.status is RunStatus.COMPLETED, run.error
@@ -433,7 +423,7 @@ def test_two_executions_of_one_history_hash_every_step_alike(
 def test_recorded_usage_counts_against_the_budget(
     app: durably.App, shop: ShopService, customer: str
 ) -> None:
-    agent = agent_of(app, harness.order_tool(app, shop))
+    agent = agent_of(app, shopapp.order_tool(app, shop))
 
     @app.workflow(budget=durably.Budget(max_tokens=40))
     async def frugal(request: dict[str, str]) -> Any:

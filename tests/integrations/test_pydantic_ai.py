@@ -43,21 +43,11 @@ from durably.integrations.pydantic_ai import (
     durable_tool,
     durable_toolset,
 )
-from tests.integrations import harness
+from tests.integrations import harness, shopapp
 from tests.integrations import pydantic_agentapp as agentapp
-from tests.integrations.harness import (
-    CALLS,
-    CAMPAIGN,
-    CAMPAIGNS,
-    MODEL_CALLS,
-    ROOT,
-    TURNS,
-    model_steps,
-    plan,
-    rows,
-    steps,
-)
+from tests.integrations.harness import ROOT, model_steps, rows, steps
 from tests.integrations.pydantic_agentapp import scripted_model
+from tests.integrations.shopapp import CALLS, CAMPAIGN, CAMPAIGNS, MODEL_CALLS, TURNS, plan
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -106,7 +96,7 @@ def test_the_agent_loop_records_requests_and_calls_tools_by_call_id(
     """Sequential: one tool call per turn; parallel: three in one turn, run concurrently by
     Pydantic AI. Every model request is one recorded step, every tool call a durably effect
     at the model's call id; starting the run again replays it and sends nothing."""
-    agent = agent_of(app, harness.order_tool(app, shop))
+    agent = agent_of(app, shopapp.order_tool(app, shop))
     workflow = agent_workflow(app, lambda: agent)
     run = app.run(workflow, **plan(customer, mode))
     assert run.status is RunStatus.COMPLETED, run.error
@@ -458,7 +448,7 @@ def test_the_hash_leaves_out_timestamps_and_run_ids_but_not_tool_arguments() -> 
 def test_recorded_usage_counts_against_the_budget(
     app: durably.App, shop: ShopService, customer: str
 ) -> None:
-    agent = agent_of(app, harness.order_tool(app, shop))
+    agent = agent_of(app, shopapp.order_tool(app, shop))
 
     @app.workflow(budget=durably.Budget(max_tokens=40))
     async def frugal(request: dict[str, str]) -> Any:
@@ -513,7 +503,7 @@ def test_a_durable_tool_refuses_an_agent_whose_requests_are_not_recorded(
     """Without the capability a recovery would ask the model again and get the same order
     under a new call id: the tool refuses before anything is recorded or sent."""
     unrecorded = Agent(
-        scripted_model(), name="shop-agent", tools=[durable_tool(harness.order_tool(app, shop))]
+        scripted_model(), name="shop-agent", tools=[durable_tool(shopapp.order_tool(app, shop))]
     )
     run = app.run(agent_workflow(app, lambda: unrecorded), **plan(customer, "sequential"))
     assert run.status is RunStatus.FAILED
