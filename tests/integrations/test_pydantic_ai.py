@@ -6,9 +6,10 @@ ids, as a real model does) and the shop tools. The shop's own records decide wha
 
 * tool calls made by Pydantic AI, one per turn or three at once, are durably calls whose
   step ids are the model's tool call ids, and the model's requests are recorded steps;
-* a crash at every crash point, for idempotent and reconciled tools, sequential and
-  parallel: recovered in a fresh process, each effect happened exactly once, the run
-  completed, and the recovery asked the model only the requests not recorded;
+* a crash at every crash point, for idempotent, reconciled, neither and approval tools,
+  sequential and parallel (:mod:`tests.integrations.harness`): recovered in fresh processes
+  (a person approving, or settling an unknown outcome from the shop's records), each effect
+  happened once, the run completed, and no process asked the model a recorded request;
 * with Pydantic AI's default tool error handling, a divergence on replay stops the run: no
   tool or model call after it, no new effect;
 * a tool's ``ModelRetry`` and ``CallDeferred`` reach Pydantic AI unchanged and are not
@@ -23,19 +24,9 @@ ids, as a real model does) and the shop tools. The shop's own records decide wha
 from __future__ import annotations
 
 import json
-import os
 import runpy
-import select
-import signal
-import sqlite3
-import subprocess
-import sys
-import time
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,70 +37,19 @@ from pydantic_ai.messages import ModelMessage, TextPart, ToolCallPart
 import durably
 from durably import RunStatus
 from durably.demo.shop import ShopService, post_json
-from durably.faults import CRASH_POINTS
 from durably.integrations.pydantic_ai import (
     DurablyDurability,
     canonical_request,
     durable_tool,
     durable_toolset,
 )
+from tests.integrations import harness, shopapp
 from tests.integrations import pydantic_agentapp as agentapp
-from tests.integrations.pydantic_agentapp import CALLS, MODEL_CALLS, TURNS, scripted_model
+from tests.integrations.harness import ROOT, model_steps, rows, steps
+from tests.integrations.pydantic_agentapp import scripted_model
+from tests.integrations.shopapp import CALLS, CAMPAIGN, CAMPAIGNS, MODEL_CALLS, TURNS, plan
 
-ROOT = Path(__file__).resolve().parents[2]
-CAMPAIGN = "spring"
-CAMPAIGNS = [f"{CAMPAIGN}-{i}" for i in range(CALLS)]
-
-
-# -- fixtures and helpers ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def shop() -> Iterator[ShopService]:
-    with ShopService() as service:
-        yield service
-
-
-@pytest.fixture
-def customer() -> str:
-    return f"cust-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path}/durably.db"
-
-
-@pytest.fixture
-def app(db: str) -> Iterator[durably.App]:
-    app = durably.App(db, lease_ttl=timedelta(seconds=5))
-    yield app
-    app.close()
-
-
-def rows(shop: ShopService, customer: str) -> dict[str, list[dict[str, Any]]]:
-    """The shop's orders and coupons for ``customer``, by campaign."""
-    found: dict[str, list[dict[str, Any]]] = {c: [] for c in CAMPAIGNS}
-    effects = shop.effects()
-    for row in effects["orders"] + effects["coupons"]:
-        request = row["request"]
-        if request["customer"] == customer:
-            campaign = request.get("campaign") or request["items"][0]["sku"]
-            found.setdefault(campaign, []).append(row)
-    return found
-
-
-def steps(db: str, run_id: str) -> list[sqlite3.Row]:
-    """The run's journal rows, read from the database as stored, oldest first."""
-    with sqlite3.connect(db.removeprefix("sqlite:///")) as conn:
-        conn.row_factory = sqlite3.Row
-        return conn.execute(
-            "SELECT * FROM durably_steps WHERE run_id = ? ORDER BY created_at", (run_id,)
-        ).fetchall()
-
-
-def model_steps(db: str, run_id: str) -> list[sqlite3.Row]:
-    return [s for s in steps(db, run_id) if s["name"].startswith("model:")]
+# -- helpers ------------------------------------------------------------------------------------
 
 
 def recorded_call_ids(db: str, run_id: str) -> list[str]:
@@ -121,16 +61,6 @@ def recorded_call_ids(db: str, run_id: str) -> list[str]:
         for part in json.loads(s["output_json"])["parts"]
         if part["part_kind"] == "tool-call"
     ]
-
-
-def order_tool(app: durably.App, shop: ShopService) -> durably.Durable[..., Any]:
-    @app.tool(idempotent=True, external_id=lambda r: r["order_id"])
-    def place_order(customer: str, campaign: str) -> dict[str, Any]:
-        """Place the campaign's one-item order for the customer."""
-        body = {"customer": customer, "items": [{"sku": campaign, "qty": 1}], "amount": 12.5}
-        return post_json(f"{shop.url}/orders", body, idempotency_key=durably.idempotency_key())
-
-    return place_order
 
 
 def agent_of(
@@ -156,10 +86,6 @@ def agent_workflow(app: durably.App, current: Callable[[], Agent[None, str]]) ->
     return shop_agent
 
 
-def plan(customer: str, mode: str, tool: str = "place_order") -> dict[str, str]:
-    return {"customer": customer, "campaign": CAMPAIGN, "tool": tool, "mode": mode}
-
-
 # -- the agent loop with durable tools and recorded model requests ------------------------------
 
 
@@ -170,7 +96,7 @@ def test_the_agent_loop_records_requests_and_calls_tools_by_call_id(
     """Sequential: one tool call per turn; parallel: three in one turn, run concurrently by
     Pydantic AI. Every model request is one recorded step, every tool call a durably effect
     at the model's call id; starting the run again replays it and sends nothing."""
-    agent = agent_of(app, order_tool(app, shop))
+    agent = agent_of(app, shopapp.order_tool(app, shop))
     workflow = agent_workflow(app, lambda: agent)
     run = app.run(workflow, **plan(customer, mode))
     assert run.status is RunStatus.COMPLETED, run.error
@@ -192,229 +118,19 @@ def test_the_agent_loop_records_requests_and_calls_tools_by_call_id(
 
 # -- a crash at every point, recovered in a fresh process ----------------------------------------
 
-
-@dataclass(frozen=True)
-class Proc:
-    """One finished child: exit code, the run it printed (if it got that far), stderr."""
-
-    code: int
-    run: dict[str, Any] | None
-    stderr: str
-
-    def explain(self) -> str:
-        return f"exit {self.code}, run {self.run}\n--- stderr ---\n{self.stderr[-4000:]}"
-
-
-class ForkServer:
-    """``pydantic_agentapp serve``: imports Pydantic AI once, forks a child per command."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.log = (workdir / "server.err").open("w")
-        env = {k: v for k, v in os.environ.items() if k != "DURABLY_CRASH_AT"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integrations.pydantic_agentapp", "serve"],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            start_new_session=True,  # its own process group: the server and its children
-        )
-        self.buffer = b""
-        self.count = 0
-        assert "ready" in self._message(120.0)
-
-    def _message(self, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
-            if not ready:
-                raise TimeoutError(f"the fork server said nothing for {timeout} s")
-            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
-            if not chunk:
-                log = (self.workdir / "server.err").read_text()[-4000:]
-                raise RuntimeError(f"the fork server exited: {log}")
-            self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        message: dict[str, Any] = json.loads(line)
-        return message
-
-    def spawn(self, argv: list[str], env: dict[str, str]) -> int:
-        assert self.proc.stdin is not None
-        self.count += 1
-        child = self.count
-        command = {
-            "id": child,
-            "argv": argv,
-            "env": env,
-            "stdout": str(self.workdir / f"{child}.out"),
-            "stderr": str(self.workdir / f"{child}.err"),
-        }
-        self.proc.stdin.write(json.dumps(command).encode() + b"\n")
-        self.proc.stdin.flush()
-        return child
-
-    def wait_any(self, timeout: float = 60.0) -> tuple[int, Proc]:
-        """The next child to exit, as it ended."""
-        message = self._message(timeout)
-        child, code = message["id"], message["code"]
-        lines = (self.workdir / f"{child}.out").read_text().strip().splitlines()
-        run = json.loads(lines[-1]) if code == 0 and lines else None
-        return child, Proc(code, run, (self.workdir / f"{child}.err").read_text())
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        self.proc.stdin.close()  # the server exits once its children have
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # a child hangs: end the group this test started
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.proc.stdout.close()
-        self.log.close()
-
-
-@dataclass(frozen=True)
-class Scenario:
-    point: str
-    tool: str
-    mode: str
-    seed: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.point}-{self.tool}-{self.mode}-seed{self.seed}"
-
-
-SCENARIOS = [
-    Scenario(point, tool, mode, seed)
-    for point in CRASH_POINTS
-    for tool in ("place_order", "issue_coupon")  # idempotent, reconciled
-    for mode, seed in (("sequential", 1), ("parallel", 1))
-]
-AT_ONCE = 6
-"""Scenarios in flight together: each mostly waits (for a dead lease, for the shop)."""
-
-
-@dataclass
-class Outcome:
-    """What one scenario left: the crashed process, the journal and the shop right after
-    the crash, and the recovering process."""
-
-    db: str
-    run_id: str
-    customer: str
-    first: Proc | None = None
-    turns_recorded_at_crash: int = 0
-    shop_at_crash: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    final: Proc | None = None
-
-
-@pytest.fixture(scope="module")
-def pydantic_crash_matrix(
-    request: pytest.FixtureRequest, shop: ShopService, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[Scenario, Outcome]]:
-    """The scenarios of this session's tests, each crashed then recovered, :data:`AT_ONCE`
-    at a time; each test judges one. A scenario's start and recovery are two children."""
-    selected = [
-        item.callspec.params["scenario"]
-        for item in request.session.items
-        if isinstance(item, pytest.Function) and "pydantic_crash_matrix" in item.fixturenames
-    ]
-    workdir = tmp_path_factory.mktemp("pydantic_agentapp")
-    server = ForkServer(workdir)
-    outcomes = {
-        s: Outcome(f"sqlite:///{workdir}/{s.name}.db", f"run-{uuid.uuid4().hex[:12]}", s.name)
-        for s in selected
-    }
-    todo = list(outcomes)
-    running: dict[int, tuple[Scenario, str]] = {}
-
-    def spawn(scenario: Scenario, role: str) -> None:
-        outcome = outcomes[scenario]
-        env = {
-            "DURABLY_DATABASE_URL": outcome.db,
-            "SHOP_URL": shop.url,
-            "AGENT_SEED": str(scenario.seed),
-            "CRASH_ROLE": role,
-        }
-        if role == "start":
-            env["DURABLY_CRASH_AT"] = scenario.point
-        run_input = plan(outcome.customer, scenario.mode, scenario.tool)
-        argv = [role, outcome.run_id, "shop_agent", json.dumps(run_input)]
-        running[server.spawn(argv, env)] = (scenario, role)
-
-    try:
-        while todo or running:
-            while todo and len(running) < AT_ONCE:
-                spawn(todo.pop(), "start")
-            child, proc = server.wait_any()
-            scenario, role = running.pop(child)
-            outcome = outcomes[scenario]
-            if role == "recover":
-                outcome.final = proc
-                continue
-            outcome.first = proc
-            if proc.code == 77:  # as the dead process left them
-                turns = model_steps(outcome.db, outcome.run_id)
-                outcome.turns_recorded_at_crash = sum(s["status"] == "succeeded" for s in turns)
-                outcome.shop_at_crash = rows(shop, outcome.customer)
-                spawn(scenario, "recover")
-        yield outcomes
-    finally:
-        server.close()
+crash_matrix = harness.matrix_fixture("tests.integrations.pydantic_agentapp")
+SCENARIOS = harness.scenarios()
 
 
 @pytest.mark.crash
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+@harness.scenario_params(SCENARIOS)
 def test_a_crash_anywhere_recovers_each_effect_once(
-    scenario: Scenario, pydantic_crash_matrix: dict[Scenario, Outcome], shop: ShopService
+    scenario: harness.Scenario,
+    crash_matrix: dict[harness.Scenario, harness.Outcome],
+    shop: ShopService,
 ) -> None:
-    outcome = pydantic_crash_matrix[scenario]
-    first = outcome.first
-    assert first is not None
-    turns = TURNS[scenario.mode]
-    if scenario.point == "approval.after_request":  # no approval here: nothing to crash at
-        assert first.code == 0, first.explain()
-        final = first
-        assert final.run is not None
-        assert final.run["model_calls"] == turns
-    else:
-        assert first.code == 77, first.explain()
-        assert f"crash injected at {scenario.point}" in first.stderr
-        assert all(len(r) <= 1 for r in outcome.shop_at_crash.values()), outcome.shop_at_crash
-        final = outcome.final
-        assert final is not None
-        assert final.code == 0, final.explain()
-        assert final.run is not None
-        assert final.run["model_calls"] == turns - outcome.turns_recorded_at_crash, (
-            "the recovery asked the model a request it had recorded, or skipped one"
-        )
-    assert final.run["status"] == "completed", final.explain()
-
-    at_shop = rows(shop, outcome.customer)
-    assert all(len(r) == 1 for r in at_shop.values()), at_shop
-    for found in at_shop.values():
-        assert found[0]["id"] in final.run["result"]["answer"]
-    reader = durably.App(outcome.db)
-    try:
-        effects = reader.describe(outcome.run_id)["effects"]
-        paused = [e for e in reader.events(outcome.run_id) if e.type == "run_paused"]
-    finally:
-        reader.close()
-    assert sorted(e["step_id"] for e in effects) == sorted(
-        recorded_call_ids(outcome.db, outcome.run_id)
-    )
-    shop_ids = {found[0]["id"] for found in at_shop.values()}
-    for effect in effects:
-        assert effect["status"] == "succeeded", effect
-        result_id = effect["result"].get("order_id") or effect["result"]["coupon_id"]
-        assert result_id in shop_ids, "the ledger's result exists at the shop"
-    assert paused == [], "an idempotent or reconciled call never needs a person"
+    """See :func:`tests.integrations.harness.assert_recovered`."""
+    harness.assert_recovered(scenario, crash_matrix[scenario], shop, recorded_call_ids)
 
 
 # -- a divergence with Pydantic AI's default tool error handling ---------------------------------
@@ -732,7 +448,7 @@ def test_the_hash_leaves_out_timestamps_and_run_ids_but_not_tool_arguments() -> 
 def test_recorded_usage_counts_against_the_budget(
     app: durably.App, shop: ShopService, customer: str
 ) -> None:
-    agent = agent_of(app, order_tool(app, shop))
+    agent = agent_of(app, shopapp.order_tool(app, shop))
 
     @app.workflow(budget=durably.Budget(max_tokens=40))
     async def frugal(request: dict[str, str]) -> Any:
@@ -787,7 +503,7 @@ def test_a_durable_tool_refuses_an_agent_whose_requests_are_not_recorded(
     """Without the capability a recovery would ask the model again and get the same order
     under a new call id: the tool refuses before anything is recorded or sent."""
     unrecorded = Agent(
-        scripted_model(), name="shop-agent", tools=[durable_tool(order_tool(app, shop))]
+        scripted_model(), name="shop-agent", tools=[durable_tool(shopapp.order_tool(app, shop))]
     )
     run = app.run(agent_workflow(app, lambda: unrecorded), **plan(customer, "sequential"))
     assert run.status is RunStatus.FAILED

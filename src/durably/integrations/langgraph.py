@@ -46,7 +46,7 @@ from pydantic import ConfigDict, PrivateAttr
 
 import durably
 from durably import ConfigurationError, Durable, RetryPolicy
-from durably.integrations._common import jsonable, step_name, without_none
+from durably.integrations._common import jsonable, step_name, uncancelled, without_none
 
 __all__ = ["DurableChatModel", "canonical_request", "durable_tool"]
 
@@ -87,7 +87,7 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> StructuredTool:
                 "model's tool call (ToolNode, or tool.ainvoke(tool_call))"
             )
         _refuse_checkpointer(name)
-        result = await tool.with_step_id(call_id)(*args, **kwargs)
+        result = await uncancelled(tool.with_step_id(call_id)(*args, **kwargs))
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
     fn = tool.fn

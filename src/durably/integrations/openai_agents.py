@@ -59,6 +59,7 @@ from durably.integrations._common import (
     opaque,
     step_name,
     tool_function,
+    uncancelled,
     without_none,
 )
 
@@ -112,7 +113,7 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> FunctionTool:
             )
 
     async def invoke(tool_context: ToolContext[Any], /, *args: Any, **kwargs: Any) -> str:
-        result = await tool.with_step_id(tool_context.tool_call_id)(*args, **kwargs)
+        result = await uncancelled(tool.with_step_id(tool_context.tool_call_id)(*args, **kwargs))
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
     wrapper = tool_function(invoke, tool.fn, context=(_CONTEXT_PARAMETER, ToolContext), returns=str)

@@ -49,7 +49,13 @@ from pydantic_ai.models import ModelRequestParameters
 
 import durably
 from durably import ConfigurationError, Durable, OutsideRunError, RetryPolicy
-from durably.integrations._common import jsonable, step_name, tool_function, without_none
+from durably.integrations._common import (
+    jsonable,
+    step_name,
+    tool_function,
+    uncancelled,
+    without_none,
+)
 
 __all__ = ["DurablyDurability", "canonical_request", "durable_tool", "durable_toolset"]
 
@@ -107,7 +113,7 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> Tool[Any]:
                 "recovery would ask the model again and get this call under a new id: a new "
                 "effect. Give the agent capabilities=[DurablyDurability(app)]"
             )
-        return await tool.with_step_id(ctx.tool_call_id)(*args, **kwargs)
+        return await uncancelled(tool.with_step_id(ctx.tool_call_id)(*args, **kwargs))
 
     returns = typing.get_type_hints(tool.fn).get("return", inspect.Signature.empty)
     wrapper = tool_function(
