@@ -28,6 +28,7 @@ from durably.errors import (
     NotJSONSerializable,
     PayloadTooLarge,
     ReplayBlocked,
+    RunStopped,
     StepFailed,
     StoreUnavailable,
 )
@@ -363,7 +364,7 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
         kwargs = ctx.run.input.get("kwargs", {})
         outcome: BaseException | None = None
         try:
-            result = await wf.fn(*args, **kwargs)
+            result = await _stop_unwrapped(wf.fn(*args, **kwargs))
         except Cancel:
             await _cancel(ctx)
             return
@@ -418,6 +419,25 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
         ctx.drop_unawaited()  # left by a workflow that raised: closed, not warned about
         context._run.reset(token)
         heartbeat.cancel()
+
+
+async def _stop_unwrapped(workflow: Coroutine[Any, Any, Any]) -> Any:
+    """The workflow's result; a stop that reaches here inside an exception group (its
+    calls ran in an ``asyncio.TaskGroup``) is raised on its own, a cancellation first:
+    the run stops whatever else its other tasks raised."""
+    try:
+        return await workflow
+    except BaseExceptionGroup as group:
+        stops, _ = group.split(RunStopped)
+        if stops is None:
+            raise
+        cancels, _ = stops.split(Cancel)
+        raise _first(cancels or stops) from group
+
+
+def _first(group: BaseExceptionGroup[RunStopped]) -> RunStopped:
+    leaf = group.exceptions[0]
+    return _first(leaf) if isinstance(leaf, BaseExceptionGroup) else leaf
 
 
 def _not_awaited(ctx: RunContext, calls: list[str]) -> NotAwaited:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -235,4 +236,28 @@ def test_a_rejection_can_be_told_to_the_model(make_app: MakeApp) -> None:
     done = app.resume(run.run_id)
     assert done.status is RunStatus.COMPLETED
     assert done.result == {"refused_by": "ana", "why": "already refunded by phone"}
+    assert sent == Counter()
+
+
+def test_a_stop_inside_a_task_group_suspends_the_run(make_app: MakeApp) -> None:
+    """A stop raised in an ``asyncio.TaskGroup`` reaches durably inside an exception group:
+    the run waits for the approval all the same, instead of the group escaping ``run``."""
+    app = make_app()
+    sent = Counter[int]()
+
+    @app.tool(idempotent=True, requires_approval=True)
+    def approved(n: int) -> int:
+        sent[n] += 1
+        return n
+
+    @app.workflow()
+    async def three() -> list[int]:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(approved.with_step_id(f"call_{n}")(n)) for n in range(3)]
+        return [t.result() for t in tasks]
+
+    run = app.run(three)
+    assert run.status is RunStatus.WAITING_APPROVAL
+    assert run.waiting_for is not None
+    assert run.waiting_for["step_id"] in {"call_0", "call_1", "call_2"}
     assert sent == Counter()
