@@ -249,12 +249,21 @@ class RunContext(CallIdentity):
         commits the transition that releases the run (paused, waiting, released); then the
         workflow unwinds. Whatever ``record`` does, the execution is over afterwards, so the
         driver, unwound by another branch meanwhile, can wait for this one to finish."""
-        try:
-            await self.quiesce(exclude=exclude)
-            await record()
-        finally:
-            self.stopped = True
-            self.ended.set()
+
+        async def releasing() -> None:
+            try:
+                await self.quiesce(exclude=exclude)
+                await record()
+            finally:
+                self.stopped = True
+                self.ended.set()
+
+        # Shielded: a branch cancelled meanwhile (a TaskGroup cancels the other tasks once
+        # one of them stops) must still record the release, or the run would stay leased
+        # with nothing recorded; the driver waits for it (wind_up).
+        task = asyncio.ensure_future(releasing())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.shield(task)
         raise Suspend
 
     async def wind_up(self) -> None:

@@ -378,7 +378,9 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
         else:
             if ctx.unawaited:
                 outcome = _not_awaited(ctx, ctx.drop_unawaited())
-        # Parallel calls may still be executing: record their outcomes before the run ends.
+        # A branch cancelled while it released the run finishes that release first, and
+        # parallel calls may still be executing: record their outcomes before the run ends.
+        await ctx.wind_up()
         await ctx.quiesce()
         if ctx.stopped:
             # Lease lost or store failure (logged when it happened), possibly swallowed or
@@ -394,25 +396,7 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
             else:
                 await _finish(ctx, RunStatus.FAILED, None, failure)
             return
-        try:
-            result_json = canonical_json(
-                result, what=f"the result of workflow {wf.name}", limit=engine.max_payload_bytes
-            )
-        except (NotJSONSerializable, PayloadTooLarge) as exc:
-            await _finish(ctx, RunStatus.FAILED, None, exc)
-            return
-        await ctx.commit(
-            lambda: Transition(
-                events=[
-                    EventWrite("run_completed", None, {"result_hash": sha256_hex(result_json)})
-                ],
-                run=RunUpdate(RunStatus.COMPLETED, result_json=result_json),
-                checkpoint=ctx.journal.draft(
-                    status=RunStatus.COMPLETED, current_step=None, prune=True
-                ),
-                release=True,
-            )
-        )
+        await _complete(ctx, wf.name, result)
     except Suspend:
         return
     finally:
@@ -438,6 +422,25 @@ async def _stop_unwrapped(workflow: Coroutine[Any, Any, Any]) -> Any:
 def _first(group: BaseExceptionGroup[RunStopped]) -> RunStopped:
     leaf = group.exceptions[0]
     return _first(leaf) if isinstance(leaf, BaseExceptionGroup) else leaf
+
+
+async def _complete(ctx: RunContext, workflow: str, result: Any) -> None:
+    """Record the run's result and release it; a result no store can hold fails the run."""
+    try:
+        result_json = canonical_json(
+            result, what=f"the result of workflow {workflow}", limit=ctx.engine.max_payload_bytes
+        )
+    except (NotJSONSerializable, PayloadTooLarge) as exc:
+        await _finish(ctx, RunStatus.FAILED, None, exc)
+        return
+    await ctx.commit(
+        lambda: Transition(
+            events=[EventWrite("run_completed", None, {"result_hash": sha256_hex(result_json)})],
+            run=RunUpdate(RunStatus.COMPLETED, result_json=result_json),
+            checkpoint=ctx.journal.draft(status=RunStatus.COMPLETED, current_step=None, prune=True),
+            release=True,
+        )
+    )
 
 
 def _not_awaited(ctx: RunContext, calls: list[str]) -> NotAwaited:

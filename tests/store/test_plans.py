@@ -11,7 +11,7 @@ import pytest
 from durably.checkpoint import JournalState
 from durably.errors import ApprovalExpired, InvalidTransition, LeaseLostError
 from durably.status import OperationStatus, RunStatus, StepStatus
-from durably.store import plans
+from durably.store import commit_plan
 from durably.store.base import (
     ApprovalUse,
     Committed,
@@ -74,7 +74,7 @@ def first_round(plan: Plan[Committed]) -> Round:
 def test_a_step_without_a_checkpoint_commits_in_one_round() -> None:
     """Most steps: the fence and writes conditional on it, one PostgreSQL round trip."""
     two_events = [EventWrite("a", "s#1"), EventWrite("step_completed", "s#1")]
-    plan = plans.commit(LEASE, step_commit(checkpoint=None, events=two_events))
+    plan = commit_plan.commit(LEASE, step_commit(checkpoint=None, events=two_events))
     only = first_round(plan)
     assert names(only) == ["fence_lease", "insert_event_fenced", "insert_event_fenced",
                            "upsert_step_fenced"]  # fmt: skip
@@ -90,14 +90,14 @@ def test_a_step_without_a_checkpoint_commits_in_one_round() -> None:
 
 
 def test_a_step_in_one_round_refuses_a_lost_lease() -> None:
-    plan = plans.commit(LEASE, step_commit(checkpoint=None))
+    plan = commit_plan.commit(LEASE, step_commit(checkpoint=None))
     first_round(plan)
     with pytest.raises(LeaseLostError):
         plan.send([[], [], []])
 
 
 def test_a_checkpointed_step_commits_in_two_rounds_fence_first() -> None:
-    plan = plans.commit(LEASE, step_commit())
+    plan = commit_plan.commit(LEASE, step_commit())
     first = first_round(plan)
     assert names(first) == ["fence_lease"]
     assert not first.final
@@ -115,14 +115,14 @@ def test_a_checkpointed_step_commits_in_two_rounds_fence_first() -> None:
 
 
 def test_a_lost_lease_refuses_before_anything_else_is_sent() -> None:
-    plan = plans.commit(LEASE, step_commit())
+    plan = commit_plan.commit(LEASE, step_commit())
     first_round(plan)
     with pytest.raises(LeaseLostError):
         plan.send([[]])
 
 
 def test_an_operators_stale_read_refuses() -> None:
-    plan = plans.commit(Expect("r1", 4), step_commit(run=RunUpdate(RunStatus.QUEUED)))
+    plan = commit_plan.commit(Expect("r1", 4), step_commit(run=RunUpdate(RunStatus.QUEUED)))
     assert names(first_round(plan)) == ["fence_expect"]
     with pytest.raises(InvalidTransition, match="read it again"):
         plan.send([[]])
@@ -134,7 +134,7 @@ def test_every_write_that_can_refuse_goes_with_the_fence() -> None:
         use_approval=ApprovalUse("a1", "h", "k", 1),
         consume_signal=("e1", "s#1"),
     )
-    plan = plans.commit(LEASE, t)
+    plan = commit_plan.commit(LEASE, t)
     assert names(first_round(plan)) == [
         "fence_lease",
         "insert_operation",
@@ -164,28 +164,29 @@ def test_a_missing_row_refuses_the_commit(
         use_approval=ApprovalUse("a1", "h", "k", 1),
         consume_signal=("e1", "s#1"),
     )
-    plan = plans.commit(LEASE, t)
+    plan = commit_plan.commit(LEASE, t)
     assert names(first_round(plan))[1] == "update_operation"
     with pytest.raises(refusal, match=message):
         plan.send([FENCED, *answers])
 
 
 def test_an_operation_inserted_twice_is_a_conflict() -> None:
-    plan = plans.commit(LEASE, step_commit(operation=operation()))
+    plan = commit_plan.commit(LEASE, step_commit(operation=operation()))
     first_round(plan)
     with pytest.raises(InvalidTransition, match="already exists"):
         plan.send([FENCED, []])
 
 
 def test_an_operation_held_by_the_lease_carries_it() -> None:
-    (_, (_, held)) = first_round(plans.commit(LEASE, step_commit(operation=operation()))).queries
+    plan = commit_plan.commit(LEASE, step_commit(operation=operation()))
+    (_, (_, held)) = first_round(plan).queries
     assert (held["held"], held["lease_owner"], held["ttl"]) == (
         True,
         "worker",
         30.0,
     )
     loose = operation(hold_lease=False, send_deadline=12.5)
-    (_, (_, sent)) = first_round(plans.commit(LEASE, step_commit(operation=loose))).queries
+    (_, (_, sent)) = first_round(commit_plan.commit(LEASE, step_commit(operation=loose))).queries
     assert (sent["held"], sent["lease_owner"], sent["send_deadline"]) == (
         False,
         None,
@@ -194,14 +195,14 @@ def test_an_operation_held_by_the_lease_carries_it() -> None:
 
 
 def test_a_released_runnable_run_wakes_workers() -> None:
-    plan = plans.commit(LEASE, step_commit(release=True, run=RunUpdate(RunStatus.QUEUED)))
+    plan = commit_plan.commit(LEASE, step_commit(release=True, run=RunUpdate(RunStatus.QUEUED)))
     first_round(plan)
     assert plan.send([FENCED]).notify
 
 
 def test_a_run_that_starts_waiting_stays_due_if_cancelled_meanwhile() -> None:
     waiting = RunUpdate(RunStatus.WAITING_EXTERNAL, waiting_for={"event": "paid"})
-    plan = plans.commit(LEASE, step_commit(run=waiting, wake_on_signal="paid", release=True))
+    plan = commit_plan.commit(LEASE, step_commit(run=waiting, wake_on_signal="paid", release=True))
     first_round(plan)
     second = plan.send([FENCED])
     assert names(second)[:4] == [

@@ -33,7 +33,7 @@ def named_by_neutral_code() -> set[str]:
     """Statement names in the backend-neutral modules: ``(name, {params})`` queries and the
     names given to ``_one`` and ``_claim``."""
     names: set[str] = set()
-    for module in ("plans.py", "sqlstore.py"):
+    for module in ("plans.py", "commit_plan.py", "pause.py", "sqlstore.py"):
         for node in ast.walk(ast.parse((STORE / module).read_text())):
             first: ast.expr | None = None
             if isinstance(node, ast.Tuple) and len(node.elts) == 2:

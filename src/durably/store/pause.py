@@ -10,7 +10,7 @@ from __future__ import annotations
 from durably.errors import InvalidTransition
 from durably.status import PauseReason, RunStatus
 from durably.store.base import WAITING, RunRecord
-from durably.store.plans import Plan, Round, _event, check_open
+from durably.store.plans import Plan, Round, check_open, insert_event
 from durably.store.rows import loads, run_from_row
 
 
@@ -29,7 +29,7 @@ def request_pause(run_id: str, request_json: str) -> Plan[RunRecord]:
     updated, _ = yield Round(
         [
             ("request_pause", {"run_id": run_id, "request": request_json, "at_once": at_once}),
-            _event(run_id, run.last_sequence + 1, event, None, payload),
+            insert_event(run_id, run.last_sequence + 1, event, None, payload),
         ],
         final=True,
     )
@@ -66,7 +66,7 @@ def withdraw_pause(run_id: str, by: str) -> Plan[RunRecord]:
     updated, _ = yield Round(
         [
             ("withdraw_pause", {"run_id": run_id, "resume": operator_paused}),
-            _event(run_id, run.last_sequence + 1, "run_unpaused", None, payload),
+            insert_event(run_id, run.last_sequence + 1, "run_unpaused", None, payload),
         ],
         final=True,
         notify=operator_paused,

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from durably.metrics import LedgerFigures
 from durably.status import RunStatus
-from durably.store import pause, plans
+from durably.store import commit_plan, pause, plans
 from durably.store.base import (
     Approval,
     Claim,
@@ -110,7 +110,7 @@ class SQLStore(Store):
         return await self._run(lambda: plans.expire_leases(self._list(owners)))
 
     async def commit(self, guard: Lease | Expect, transition: Transition) -> Committed:
-        return await self._run(lambda: plans.commit(guard, transition))
+        return await self._run(lambda: commit_plan.commit(guard, transition))
 
     async def deliver_signal(
         self, run_id: str, event_id: str, name: str, payload_json: str

@@ -1,0 +1,285 @@
+"""The commit, as a plan (see :mod:`.plans`): the fence and every write that can refuse
+the transaction first, then what follows from the fence; a step's commit, which needs
+nothing the fence returns, in one round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from durably.checkpoint import CHECKPOINTS_KEPT
+from durably.errors import ApprovalExpired, InvalidTransition
+from durably.keys import plain_json
+from durably.store.base import (
+    RUNNABLE,
+    WAITING,
+    Committed,
+    Expect,
+    Lease,
+    OperationWrite,
+    StepWrite,
+    Transition,
+)
+from durably.store.plans import (
+    Plan,
+    Query,
+    Round,
+    insert_event,
+    json_or_none,
+    lease_lost,
+)
+from durably.store.rows import Row, loads
+
+# -- the commit: fence, refusals, then the rest ------------------------------------------
+
+
+def commit(guard: Lease | Expect, t: Transition) -> Plan[Committed]:
+    """``Store.commit``: refused (nothing applies) unless the guard still holds, the
+    operation's row is as expected, the signal is unconsumed and the approval usable."""
+    run_id = guard.run_id
+    if isinstance(guard, Lease):
+        fence = (
+            "fence_lease",
+            {
+                "run_id": run_id,
+                "owner": guard.owner,
+                "epoch": guard.epoch,
+                "ttl": guard.ttl_s,
+                "release": t.release,
+                "events": len(t.events),
+            },
+        )
+    else:
+        fence = (
+            "fence_expect",
+            {"run_id": run_id, "state_version": guard.state_version, "events": len(t.events)},
+        )
+    refusing = [fence]
+    if isinstance(guard, Lease) and _one_round(t):
+        return (yield from _commit_in_one_round(guard, t, fence))
+    o = t.operation
+    if o is not None:
+        refusing.append(_operation(guard, o))
+    if t.use_approval is not None:
+        refusing.append(("use_approval", {**vars(t.use_approval), "run_id": run_id}))
+    if t.consume_signal is not None:
+        event_id, step_id = t.consume_signal
+        refusing.append(
+            ("consume_signal", {"run_id": run_id, "event_id": event_id, "step_id": step_id})
+        )
+    fenced, *answers = yield Round(refusing)
+
+    if not fenced:
+        if isinstance(guard, Lease):
+            raise lease_lost(guard)
+        raise InvalidTransition(
+            f"run {run_id} changed or is held by a worker; read it again and retry", run_id=run_id
+        )
+    written = answers.pop(0) if o is not None else None
+    if t.use_approval is not None and not answers.pop(0):
+        raise ApprovalExpired(
+            f"approval {t.use_approval.approval_id} is no longer usable (expired, used, or "
+            "bound to another call); a new approval is needed",
+            run_id=run_id,
+        )
+    if t.consume_signal is not None and not answers.pop(0):
+        raise InvalidTransition(
+            f"event {t.consume_signal[0]} of run {run_id} was already consumed",
+            run_id=run_id,
+            step_id=t.consume_signal[1],
+        )
+    if o is not None and not written:
+        raise InvalidTransition(
+            f"operation {o.idempotency_key} already exists; it was recorded by another writer"
+            if o.expect_row_version is None
+            else f"operation {o.idempotency_key} changed under us (expected row_version "
+            f"{o.expect_row_version}); another writer got there first",
+            run_id=o.run_id,
+            step_id=o.step_id,
+            idempotency_key=o.idempotency_key,
+        )
+
+    row = fenced[0]
+    last_sequence, state_version = int(row["last_sequence"]), int(row["state_version"])
+    following = _following(guard, t, last_sequence, state_version)
+    runnable = t.run is None or t.run.status in RUNNABLE
+    # A released run, or one an operator made runnable, can be claimed at once.
+    wake = runnable and (t.release or (isinstance(guard, Expect) and t.run is not None))
+    yield Round(following, final=True, notify=wake)
+    return _committed(
+        row, None if o is None else 1 if o.expect_row_version is None else o.expect_row_version + 1
+    )
+
+
+def _committed(fenced: Row, operation_row_version: int | None) -> Committed:
+    """What a commit tells its caller, from the row its fence returned."""
+    return Committed(
+        int(fenced["last_sequence"]),
+        int(fenced["state_version"]),
+        operation_row_version,
+        fenced["lease_until"],
+        int(fenced["cancel_requested"]),
+        loads(fenced["pause_requested"]),
+    )
+
+
+def _one_round(t: Transition) -> bool:
+    """Whether the commit is only events and a step row: then it needs nothing the fence
+    returns (a checkpoint seals its sequence and state version) and refuses nothing else."""
+    return (
+        t.checkpoint is None
+        and t.operation is None
+        and t.run is None
+        and not t.release
+        and t.use_approval is None
+        and t.consume_signal is None
+        and t.request_approval is None
+        and t.plan_version is None
+        and t.wake_on_signal is None
+    )
+
+
+def _commit_in_one_round(guard: Lease, t: Transition, fence: Query) -> Plan[Committed]:
+    """A step's commit: the fence and its writes in one round (one PostgreSQL round trip),
+    each write conditional on the fence having held in the same transaction."""
+    held = {"run_id": guard.run_id, "owner": guard.owner, "epoch": guard.epoch}
+    queries = [fence]
+    for offset, e in enumerate(t.events):
+        queries.append(
+            (
+                "insert_event_fenced",
+                {
+                    **held,
+                    "back": len(t.events) - 1 - offset,
+                    "type": e.type,
+                    "step_id": e.step_id,
+                    "payload_json": plain_json(e.payload),
+                },
+            )
+        )
+    if t.step is not None:
+        queries.append(("upsert_step_fenced", {**held, **_step(t.step), "settle": t.step.settle}))
+    fenced, *_ = yield Round(queries, final=True)
+    if not fenced:
+        raise lease_lost(guard)
+    return _committed(fenced[0], None)
+
+
+def _step(s: StepWrite) -> dict[str, Any]:
+    """A step row's parameters, but its settled sequence."""
+    return {
+        "step_id": s.step_id,
+        "position": s.position,
+        "kind": s.kind,
+        "name": s.name,
+        "status": s.status.value,
+        "input_hash": s.input_hash,
+        "output_json": s.output_json,
+        "error_json": json_or_none(s.error),
+        "idempotency_key": s.idempotency_key,
+        "attempts": s.attempts,
+    }
+
+
+def _following(
+    guard: Lease | Expect, t: Transition, last_sequence: int, state_version: int
+) -> list[Query]:
+    """The statements of a commit that cannot refuse it: they follow the fence."""
+    run_id = guard.run_id
+    rest: list[Query] = []
+    if t.run is not None:
+        u = t.run
+        rest.append(
+            (
+                "update_run",
+                {
+                    **vars(u),
+                    "run_id": run_id,
+                    "status": u.status.value,
+                    "error_json": json_or_none(u.error),
+                    "waiting_for_json": json_or_none(u.waiting_for),
+                },
+            )
+        )
+        if u.status in WAITING:
+            # Neither a pause nor a cancel requested while the run was still executing may
+            # be lost behind a wait: it pauses now, or stays due and its next execution
+            # cancels it.
+            rest.append(("pause_if_requested", {"run_id": run_id}))
+            rest.append(("requeue_if_cancelled", {"run_id": run_id}))
+    if t.plan_version is not None:
+        rest.append(("set_plan_version", {"run_id": run_id, "plan_version": t.plan_version}))
+    if t.wake_on_signal is not None:
+        # The run is about to wait for this event name: one that arrived meanwhile makes it
+        # due at once (delivery and this commit serialise on the run's row).
+        rest.append(("wake_on_signal", {"run_id": run_id, "name": t.wake_on_signal}))
+    if t.request_approval is not None:
+        r = t.request_approval
+        if r.replaces is not None:
+            rest.append(("supersede_approval", {"approval_id": r.replaces}))
+        rest.append(("insert_approval", {**vars(r), "run_id": run_id}))
+    first = last_sequence - len(t.events) + 1
+    for offset, e in enumerate(t.events):
+        rest.append(insert_event(run_id, first + offset, e.type, e.step_id, e.payload))
+    if t.step is not None:
+        s = t.step
+        settled = last_sequence if s.settle else None
+        rest.append(("upsert_step", {"run_id": run_id, **_step(s), "settled_sequence": settled}))
+    if t.checkpoint is not None:
+        cp, payload_json = t.checkpoint.seal(
+            state_version=state_version, last_event_sequence=last_sequence
+        )
+        rest.append(
+            (
+                "insert_checkpoint",
+                {
+                    "run_id": cp.run_id,
+                    "state_version": cp.state_version,
+                    "last_event_sequence": cp.last_event_sequence,
+                    "schema_version": cp.schema_version,
+                    "payload_json": payload_json,
+                    "checksum": cp.checksum,
+                },
+            )
+        )
+        if t.checkpoint.prune:
+            rest.append(("prune_checkpoints", {"run_id": run_id, "keep": CHECKPOINTS_KEPT}))
+    return rest
+
+
+def _operation(guard: Lease | Expect, o: OperationWrite) -> Query:
+    """The operation's insert (``row_version`` 1), or its update if its row is still at
+    ``expect_row_version`` (then one more); either changes no row if another writer got
+    there first.
+
+    An operation holding a lease holds the run's: same owner, epoch and expiry.
+    """
+    lease = guard if isinstance(guard, Lease) and o.hold_lease else None
+    params = {
+        "tenant": o.tenant,
+        "idempotency_key": o.idempotency_key,
+        "status": o.status.value,
+        "result_json": o.result_json,
+        "error_json": json_or_none(o.error),
+        "failure_category": o.failure_category,
+        "external_operation_id": o.external_operation_id,
+        "attempt": o.attempt,
+        "held": lease is not None,
+        "lease_owner": None if lease is None else lease.owner,
+        "lease_epoch": None if lease is None else lease.epoch,
+        "ttl": None if lease is None else lease.ttl_s,
+        "send_deadline": o.send_deadline,
+    }
+    if o.expect_row_version is not None:
+        params["expect_row_version"] = o.expect_row_version
+        return ("update_operation", params)
+    params.update(
+        run_id=o.run_id,
+        step_id=o.step_id,
+        plan_version=o.plan_version,
+        tool=o.tool,
+        tool_version=o.tool_version,
+        input_hash=o.input_hash,
+        arguments_json=o.arguments_json,
+    )
+    return ("insert_operation", params)
