@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
@@ -26,6 +27,7 @@ from durably.store.base import (
     Store,
     Transition,
 )
+from tests.conftest import execute_sql
 
 T = TypeVar("T")
 
@@ -149,6 +151,32 @@ def test_commit_is_atomic(store: Store) -> None:
     assert after.checkpoints == before.checkpoints
     assert after.run.last_sequence == before.run.last_sequence
     assert "should_vanish" not in [e.type for e in run(store.events("r1"))]
+
+
+def test_a_commit_in_one_round_is_atomic(store: Store, database_url: str) -> None:
+    """A step's commit is one round (on PostgreSQL one pipeline, its own implicit
+    transaction): a statement failing after the fence leaves nothing of it, fence included."""
+    run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    before = run(store.load_journal("r1"))
+    assert before is not None
+    execute_sql(  # a row squatting the sequence this commit's event will take
+        database_url,
+        "INSERT INTO durably_events (run_id, sequence, type, step_id, payload_json, created_at)"
+        " VALUES (?, ?, 'squatter', NULL, '{}', 0)",
+        ("r1", before.run.last_sequence + 1),
+    )
+    step = StepWrite("s#1", 1, "step", "s", StepStatus.SUCCEEDED, "h", "1", settle=True)
+    with pytest.raises((InvalidTransition, sqlite3.IntegrityError)):
+        run(store.commit(claim.lease, Transition(events=[EventWrite("done", "s#1")], step=step)))
+    after = run(store.load_journal("r1"))
+    assert after is not None
+    assert after.steps == []
+    assert (after.run.last_sequence, after.run.state_version) == (
+        before.run.last_sequence,
+        before.run.state_version,
+    )
 
 
 def test_concurrent_commits_apply_or_refuse_each_on_its_own(store: Store) -> None:

@@ -150,11 +150,17 @@ class PostgresStore(SQLStore):
         async def work(db: AsyncConn, sent: _Sent) -> T:
             steps = plan()
             sending = next(steps)
-            opening = [_SNAPSHOT if read_only else _BEGIN]
+            # A write of one round needs no BEGIN and COMMIT: a pipeline's statements up to
+            # its Sync are one implicit transaction, committed at the Sync, rolled back
+            # whole if one fails (tests/contract/test_store.py holds this to account).
+            implicit = sending.final and not read_only
+            opening = [] if implicit else [_SNAPSHOT if read_only else _BEGIN]
             while True:
                 closing = []
                 if sending.final:
-                    closing = [_NOTIFY, _COMMIT] if sending.notify else [_COMMIT]
+                    closing = [_NOTIFY] if sending.notify else []
+                    if not implicit:
+                        closing.append(_COMMIT)
                     sent.commit = True
                 statements = [(_SQL[name], params) for name, params in sending.queries]
                 rows = await _script(db, [*opening, *statements, *closing])
