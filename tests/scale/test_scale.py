@@ -419,14 +419,19 @@ def test_postgres_restart_under_the_workers(scale: Scale, pg_cluster: Cluster) -
     t0 = time.monotonic()
     done_at_last = 0
     while len(restarts) < 3 and cut() == 0:
-        # Land mid-run: some runs finished since the last restart, many still to go.
-        wait_until(
-            lambda d=done_at_last: (u := unfinished()) is not None and n - u >= d + 3,
-            60,
-            "runs to complete between restarts",
-            every=0.02,
-        )
-        before = scale.db.statuses()
+        # Land mid-run: some runs finished since the last restart, many still to go, and
+        # some in flight. Completions come in bursts (the slots run alike runs in step), so
+        # the moment just after one may find every slot between two claims: wait past it.
+        seen: dict[str, Counter[str]] = {}
+
+        def mid_run(d: int = done_at_last, seen: dict[str, Counter[str]] = seen) -> bool:
+            if unfinished() is None:
+                return False
+            seen["before"] = statuses = scale.db.statuses()
+            return sum(statuses[s] for s in FINAL) >= d + 3 and statuses["running"] > 0
+
+        wait_until(mid_run, 60, "runs to complete between restarts, others in flight", every=0.02)
+        before = seen["before"]
         if n - sum(before[s] for s in FINAL) < 15:
             break
         [booted] = scale.db.rows("SELECT pg_postmaster_start_time() AS at")
