@@ -948,3 +948,41 @@ def test_fork_replays_history_and_blocks_a_new_effect(project: Path) -> None:
     assert bad.exit_code == 1
     assert bad.stderr.startswith("error: run s-1 has no settled step or checkpoint 'nope#9'")
     assert durably("fork", "s-1", "--replay", "sometimes").exit_code == 2
+
+
+def test_replay_reports_reproduced_or_the_divergence_by_exit_code(project: Path) -> None:
+    run_id = ok("start", "summing", "--input", "[1, 2]").strip()
+    ok("worker", "--until-idle")
+
+    same = durably("replay", run_id, "--mode", "recorded", "--json")
+    assert same.exit_code == 0, same.stderr
+    report = json.loads(same.stdout)
+    assert report["reproduced"] is True
+    assert report["matched"] == ["add#1", "notify#1"]
+    assert report["result"] == report["recorded_result"]
+
+    # A deploy that changed the step's arguments: the same database, other code.
+    changed = APP_SOURCE.replace("total = await add(a, b)", "total = await add(a, b + 1)")
+    assert changed != APP_SOURCE
+    (project / "changedapp.py").write_text(changed)
+    try:
+        diverged = durably("replay", run_id, "--json", app="changedapp:app")
+        assert diverged.exit_code == 3, diverged.stderr
+        divergence = json.loads(diverged.stdout)["divergence"]
+        assert (divergence["kind"], divergence["step_id"]) == ("other_arguments", "add#1")
+        text = durably("replay", run_id, app="changedapp:app")
+        assert text.exit_code == 3
+        assert text.stdout.startswith("diverged: other_arguments at add#1 (add)")
+    finally:
+        sys.modules.pop("changedapp", None)
+
+    for args, message in [
+        (["run_missing"], "no run 'run_missing'"),
+        (["run\x00x"], "run id"),
+        ([run_id, "--mode", "sandbox"], "the supported mode is recorded"),
+    ]:
+        bad = durably("replay", *args)
+        assert bad.exit_code == 1, (args, bad.stdout)
+        assert bad.stderr.startswith("error: "), bad.stderr
+        assert message in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr

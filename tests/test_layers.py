@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "durably.engine": 3,
     "durably.actions": 3,
     "durably.fork": 3,
+    "durably.whatif": 3,
     "durably.views": 3,
     "durably.calls": 3,
     "durably.execution": 3,

@@ -64,6 +64,7 @@ from durably.store.base import Approval, Event
 from durably.subscription import Subscription
 from durably.views import Run
 from durably.waits import approval, replan, sleep, wait_for_event
+from durably.whatif import Divergence, ReplayReport
 from durably.workflow_api import charge, compensate, gather, patched
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointCorrupted",
     "ConfigurationError",
+    "Divergence",
     "Durable",
     "DurablyError",
     "Event",
@@ -97,6 +99,7 @@ __all__ = [
     "Reconciliation",
     "ReplayBlocked",
     "ReplayMode",
+    "ReplayReport",
     "RetryPolicy",
     "Run",
     "RunInfo",

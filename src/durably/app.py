@@ -7,7 +7,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, ParamSpec, TypeVar
 
-from durably import actions, fork, views
+from durably import actions, fork, views, whatif
 from durably.definitions import (
     WorkflowDef,
 )
@@ -31,6 +31,7 @@ from durably.store.base import (
 from durably.subscription import Subscription
 from durably.values import check_ref, check_text
 from durably.views import Run
+from durably.whatif import ReplayReport
 from durably.worker import Worker
 
 P = ParamSpec("P")
@@ -403,6 +404,27 @@ class App(Registration):
             app.worker().run(until_idle=True)
         """
         return self._loop.call(self.fork_async(run_id, at=at, replay=replay, new_run_id=new_run_id))
+
+    async def replay_async(
+        self, run_id: str, *, mode: ReplayMode | str = ReplayMode.RECORDED
+    ) -> ReplayReport:
+        return await whatif.replay(self.engine, run_id, mode)
+
+    def replay(self, run_id: str, *, mode: ReplayMode | str = ReplayMode.RECORDED) -> ReplayReport:
+        """What-if: execute completed run ``run_id``'s workflow again with this code, every
+        call answered from the run's record (nothing real happens), and report whether it
+        reproduces the run or where it first diverges.
+
+        Only ``RECORDED`` is supported. The what-if is a fork of the run (its id in the
+        report), cancelled if it diverged.
+
+        Example::
+
+            report = app.replay(run.run_id)
+            if not report.reproduced:
+                print(report.divergence)
+        """
+        return self._loop.call(self.replay_async(run_id, mode=mode))
 
     async def describe_async(self, run_id: str) -> dict[str, Any]:
         """Everything about a run as plain JSON: the document behind ``runs show --json``."""

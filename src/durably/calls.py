@@ -19,6 +19,9 @@ from durably.store.base import RunRecord, StepRecord
 
 T = TypeVar("T")
 
+PATCH = "durably.patch"
+"""The step id prefix of a :func:`durably.patched` marker (not a call of the workflow)."""
+
 
 @dataclass(eq=False)
 class Scope:
@@ -116,42 +119,102 @@ class CallIdentity:
 
     def replayed(self, step_id: str, position: int, kind: str, name: str, ih: str) -> None:
         """Raise if the journal holds a different call at this step id, or (for a
-        positional call) at this position of its scope."""
+        positional call) at this position of its scope; in a what-if replay, also if the
+        journal holds no call at all here."""
         step = self.steps.get(step_id)
         if step is None:
             other = self.by_position.get((prefix_of(step_id, name), position))
             if position and other is not None:
-                raise self.poison(
-                    NonDeterminismError(
-                        f"call #{position} of this run was recorded as {other.kind} "
-                        f"{other.step_id!r} but the workflow now calls {kind} {step_id!r} there; "
-                        "the workflow code changed under a running run. Deploy the old code for "
-                        "it, or start a new run",
-                        run_id=self.run.run_id,
-                        step_id=step_id,
-                    )
+                raise self.diverged(
+                    "other_call",
+                    step_id,
+                    name,
+                    f"call #{position} of this run was recorded as {other.kind} "
+                    f"{other.step_id!r} but the workflow now calls {kind} {step_id!r} there; "
+                    "the workflow code changed under a running run. Deploy the old code for "
+                    "it, or start a new run",
+                    recorded=other.step_id,
+                )
+            if self.what_if():
+                raise self.diverged(
+                    "new_call",
+                    step_id,
+                    name,
+                    f"the workflow now calls {kind} {name!r} at {step_id}, a call run "
+                    f"{self.run.input['fork']['of']} never made; nothing was executed",
                 )
             return
         if step.kind != kind or step.name != name:
-            raise self.poison(
-                NonDeterminismError(
-                    f"step {step.step_id} was recorded as {step.kind} {step.name!r} but the "
-                    f"workflow now calls {kind} {name!r} there; the workflow code changed under a "
-                    "running run. Deploy the old code for it, or give the new call step_id=...",
-                    run_id=self.run.run_id,
-                    step_id=step.step_id,
-                )
+            raise self.diverged(
+                "other_call",
+                step.step_id,
+                name,
+                f"step {step.step_id} was recorded as {step.kind} {step.name!r} but the "
+                f"workflow now calls {kind} {name!r} there; the workflow code changed under a "
+                "running run. Deploy the old code for it, or give the new call step_id=...",
+                recorded=step.step_id,
             )
         if kind == "step" and step.input_hash != ih:
-            raise self.poison(
-                NonDeterminismError(
-                    f"step {step.step_id} ({name}) is called with other arguments than recorded; "
-                    "workflow code between calls must be deterministic (no clock, random or I/O "
-                    "outside steps)",
-                    run_id=self.run.run_id,
-                    step_id=step.step_id,
-                )
+            raise self.diverged(
+                "other_arguments",
+                step.step_id,
+                name,
+                f"step {step.step_id} ({name}) is called with other arguments than recorded; "
+                "workflow code between calls must be deterministic (no clock, random or I/O "
+                "outside steps)",
             )
+
+    def what_if(self) -> bool:
+        """Whether this run is a what-if replay (``durably replay``): every call must be
+        one the source run recorded, or the replay stops there."""
+        fork = self.run.input.get("fork")
+        return isinstance(fork, dict) and fork.get("what_if") is True
+
+    def diverged(
+        self, kind: str, step_id: str, name: str, message: str, *, recorded: str | None = None
+    ) -> BaseException:
+        """The stop for a divergence from the journal at ``step_id``, with what differs and
+        the calls replayed before it (``NonDeterminismError.divergence``)."""
+        return self.poison(self._divergence(kind, step_id, name, message, recorded))
+
+    def unreached(self) -> NonDeterminismError | None:
+        """In a what-if replay whose workflow returned: the first recorded call it never
+        made (the new code dropped it), as the divergence to pause with; else None."""
+        if not self.what_if():
+            return None
+        missed = sorted(
+            (s for s in self.steps.values() if s.step_id not in self.reached),
+            key=lambda s: s.settled_sequence or 0,
+        )
+        missed = [s for s in missed if s.step_id.partition(":")[0] != PATCH]
+        if not missed:
+            return None
+        first = missed[0]
+        return self._divergence(
+            "missing_call",
+            first.step_id,
+            first.name,
+            f"run {self.run.input['fork']['of']} made {first.kind} {first.name!r} at "
+            f"{first.step_id}, and the workflow now returns without making it",
+            first.step_id,
+        )
+
+    def _divergence(
+        self, kind: str, step_id: str, name: str, message: str, recorded: str | None
+    ) -> NonDeterminismError:
+        matched = [s for s in self.reached if s != step_id and s.partition(":")[0] != PATCH]
+        return NonDeterminismError(
+            message,
+            run_id=self.run.run_id,
+            step_id=step_id,
+            divergence={
+                "kind": kind,
+                "step_id": step_id,
+                "name": name,
+                "recorded_step_id": recorded,
+                "matched": matched,
+            },
+        )
 
 
 def prefix_of(step_id: str, name: str) -> str:

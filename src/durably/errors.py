@@ -45,7 +45,7 @@ after it.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from durably.status import FailureCategory
@@ -114,7 +114,22 @@ class IdempotencyConflict(RunStopError):
 
 
 class NonDeterminismError(RunStopError):
-    """Replayed workflow code made a different call at a recorded position."""
+    """Replayed workflow code made a different call at a recorded position.
+
+    ``divergence``: what differs, as recorded with the paused run (``kind``, ``step_id``,
+    ``name``, ``matched`` — the calls replayed before it); ``durably replay`` reports it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        run_id: str | None = None,
+        step_id: str | None = None,
+        divergence: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message, run_id=run_id, step_id=step_id)
+        self.divergence = divergence
 
 
 class LeaseLostError(RunStopError):

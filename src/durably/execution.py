@@ -24,6 +24,7 @@ from durably.errors import (
     DurablyError,
     InvalidTransition,
     LeaseLostError,
+    NonDeterminismError,
     RunStopped,
     StoreUnavailable,
 )
@@ -396,6 +397,8 @@ def ending(
     error = error_dict(exc)
     if isinstance(exc, DurablyError) and exc.step_id:
         error["step_id"] = exc.step_id
+    if isinstance(exc, NonDeterminismError) and exc.divergence is not None:
+        error["divergence"] = exc.divergence
     event = "run_failed" if status is RunStatus.FAILED else "run_paused"
     return Transition(
         events=[EventWrite(event, None, {"reason": reason.value if reason else None, **error})],

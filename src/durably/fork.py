@@ -38,11 +38,13 @@ async def fork(
     at: str | None,
     replay: ReplayMode,
     run_id: str | None,
+    what_if: bool = False,
 ) -> str:
     """Create the fork of ``source_id`` (queued) and return its run id.
 
     ``at``: the source's step id (or checkpoint id) to fork after; ``None`` keeps every
-    call the source settled.
+    call the source settled. ``what_if``: a what-if replay (``whatif.py``), whose every
+    call must be one the source recorded.
     """
     check_ref(source_id, "run id")
     if at is not None:
@@ -61,6 +63,8 @@ async def fork(
         "kwargs": source.input.get("kwargs", {}),
         "fork": {"of": source_id, "at": at, "replay": replay.value},
     }
+    if what_if:
+        run_input["fork"]["what_if"] = True
     input_json = canonical_json(run_input, what="the fork's input", limit=engine.max_payload_bytes)
     new = NewRun(
         run_id=run_id or new_run_id(),

@@ -376,8 +376,8 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
         except Exception as exc:
             outcome = exc
         else:
-            if ctx.unawaited:
-                outcome = _not_awaited(ctx, ctx.drop_unawaited())
+            # A what-if replay must also have made every call its source recorded.
+            outcome = _not_awaited(ctx, ctx.drop_unawaited()) if ctx.unawaited else ctx.unreached()
         # A branch cancelled while it released the run finishes that release first, and
         # parallel calls may still be executing: record their outcomes before the run ends.
         await ctx.wind_up()

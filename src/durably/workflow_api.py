@@ -8,14 +8,12 @@ from collections.abc import Awaitable
 from typing import Any
 
 from durably import context, effect
-from durably.calls import Scope
+from durably.calls import PATCH, Scope
 from durably.errors import InvalidInput
 from durably.keys import sha256_hex
 from durably.status import StepStatus
 from durably.store.base import EventWrite, StepWrite, Transition
 from durably.values import check_text
-
-PATCH = "durably.patch"
 
 
 async def charge(*, tokens: int = 0, cost: float = 0.0) -> None:

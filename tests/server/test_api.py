@@ -173,6 +173,7 @@ def test_unknown_run_is_404_everywhere(h: Harness) -> None:
         ("POST", "/api/runs/nope/resume", None),
         ("POST", "/api/runs/nope/cancel", None),
         ("POST", "/api/runs/nope/fork", None),
+        ("POST", "/api/runs/nope/replay", None),
     ]
     for method, path, body in calls:
         r = h.client.request(method, path, json=body, headers=AUTH)
@@ -330,6 +331,23 @@ def test_fork(h: Harness) -> None:
         assert refused.json()["message"]
 
 
+def test_replay(h: Harness) -> None:
+    rid = h.waiting("summing", 2, run_id="s-r")
+    h.work()
+    r = h.client.post(f"/api/runs/{rid}/replay", json={"mode": "RECORDED"}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    report = r.json()
+    assert (report["reproduced"], report["divergence"], report["status"]) == (
+        True,
+        None,
+        "completed",
+    )
+    assert report["result"] == report["recorded_result"] == 2
+    refused = h.client.post(f"/api/runs/{rid}/replay", json={"mode": "SANDBOX"}, headers=AUTH)
+    assert refused.status_code == 422, refused.text
+    assert "supported mode is recorded" in refused.json()["message"]
+
+
 # -- auth -------------------------------------------------------------------------------------
 
 MUTATING: list[tuple[str, dict[str, Any] | None]] = [
@@ -341,6 +359,7 @@ MUTATING: list[tuple[str, dict[str, Any] | None]] = [
     ("/api/runs/{rid}/resume", None),
     ("/api/runs/{rid}/cancel", None),
     ("/api/runs/{rid}/fork", {"run_id": "fork-auth"}),
+    ("/api/runs/{rid}/replay", None),
     ("/api/runs/{rid}/pause", {"reason": "audit"}),
     ("/api/runs/{rid}/unpause", None),
 ]

@@ -1,6 +1,6 @@
 """An operator acting on one run: ``approve``/``reject`` its pending approval, ``resolve``
 an unknown effect by hand, ``resume`` it, send it an ``event``, ``pause``/``unpause`` it,
-``cancel`` it, or ``fork`` it."""
+``cancel`` it, ``fork`` it, or ``replay`` it what-if with the code deployed now."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from durably.cli.base import (
     pass_config,
     run_coro,
 )
-from durably.cli.render import echo, echo_decision, echo_json, echo_run
+from durably.cli.render import echo, echo_decision, echo_json, echo_replay, echo_run
 from durably.status import PauseReason, ReplayMode, RunStatus
 
 Outcome = Literal["succeeded", "not_executed", "failed"]
@@ -261,3 +261,33 @@ def fork(
     mode = ReplayMode(replay.upper())
     run = run_coro(app, lambda: app.fork_async(run_id, at=at, replay=mode, new_run_id=new_run_id))
     echo_run(run, as_json)
+
+
+DIVERGED_EXIT = 3
+"""``durably replay``'s exit code when the new code does not reproduce the run (1 is an
+error, 2 a usage error)."""
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option(
+    "--mode",
+    default=ReplayMode.RECORDED.value.lower(),
+    show_default=True,
+    help="How calls are answered; only recorded (from RUN_ID's own record) is supported.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def replay(ctx: click.Context, run_id: str, mode: str, as_json: bool) -> None:
+    """What-if: replay completed run RUN_ID with the code of --app, every call answered from
+    RUN_ID's record (nothing real runs), and report whether the code reproduces it or where
+    it first diverges. Exit code 0: reproduced; 3: diverged."""
+    config = ctx.find_object(Config)
+    assert config is not None
+    app = config.app()
+    report = run_coro(app, lambda: app.replay_async(run_id, mode=mode))
+    if as_json:
+        echo_json(report.to_dict())
+    else:
+        echo_replay(report)
+    ctx.exit(0 if report.reproduced else DIVERGED_EXIT)

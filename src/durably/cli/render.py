@@ -22,6 +22,7 @@ import click
 from durably.status import RunStatus
 from durably.store.base import Approval
 from durably.views import Run
+from durably.whatif import ReplayReport
 
 # C0 and C1 controls and DEL (terminal commands), bidirectional overrides and isolates and
 # line separators (they reorder or split what is shown), and lone surrogates (which no
@@ -140,3 +141,21 @@ def echo_run(run: Run, as_json: bool) -> None:
         echo(f"result: {json.dumps(run.result, ensure_ascii=False)}")
     elif run.error:
         echo(f"error: {error_text(run.error)}")
+
+
+def echo_replay(report: ReplayReport) -> None:
+    """A what-if replay's report, for people."""
+    if report.reproduced:
+        echo(f"reproduced: run {report.run_id} ({len(report.matched)} calls, same result)")
+    else:
+        d = report.divergence
+        assert d is not None
+        where = f" at {d.step_id}" + (f" ({d.name})" if d.name else "") if d.step_id else ""
+        echo(f"diverged: {d.kind}{where}")
+        _labelled("why", d.message)
+    _labelled("matched", ", ".join(report.matched) or "(none)")
+    _labelled("result", json.dumps(report.result))
+    _labelled("recorded", json.dumps(report.recorded_result))
+    _labelled("what-if", f"{report.what_if_run_id} ({report.status.value})")
+    for note in report.notes:
+        _labelled("note", note)

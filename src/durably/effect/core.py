@@ -101,6 +101,15 @@ class EffectCore:
         ):
             self.input_hash = op.input_hash
             self.tool_version = op.tool_version
+        if ctx.what_if() and recorded is not None and recorded.input_hash != self.input_hash:
+            # Not an idempotency conflict (no alert): the what-if code asks another call.
+            raise ctx.diverged(
+                "other_arguments",
+                self.step_id,
+                tool.name,
+                f"tool {tool.name} at {self.step_id} is called with other arguments than "
+                f"run {run.input['fork']['of']} recorded; nothing was sent",
+            )
         # input_hash() already proved the arguments are plain JSON.
         self.stored_arguments = redact(tool, secret, self.arguments)
         self.arguments_json = plain_json(self.stored_arguments)

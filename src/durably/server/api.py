@@ -318,6 +318,41 @@ class ForkIn(BaseModel):
     run_id: _Id | None = Field(default=None, description="The fork's run id (default: a new one).")
 
 
+class ReplayIn(BaseModel):
+    model_config = _STRICT
+
+    mode: str = Field(
+        default="RECORDED",
+        max_length=40,
+        description="How calls are answered; only RECORDED (the run's own record) is supported.",
+    )
+
+
+class DivergenceOut(BaseModel):
+    kind: str = Field(
+        description="other_call, other_arguments, new_call, missing_call, other_result or stopped."
+    )
+    step_id: str | None
+    name: str | None
+    message: str
+    recorded_step_id: str | None
+
+
+class ReplayOut(BaseModel):
+    run_id: str
+    what_if_run_id: str = Field(description="The fork the what-if ran as (cancelled if stopped).")
+    mode: ReplayMode
+    reproduced: bool
+    matched: list[str] = Field(description="The calls made alike before the divergence.")
+    divergence: DivergenceOut | None
+    status: RunStatus
+    result: Stored
+    recorded_result: Stored
+    result_hash: str | None
+    recorded_result_hash: str | None
+    notes: list[str]
+
+
 class ResumeIn(BaseModel):
     """No options yet; a body, if sent, must be ``{}`` (a typo is refused, not ignored)."""
 
@@ -517,3 +552,12 @@ async def fork(app: AppDep, run_id: str, body: ForkIn | None = None) -> RunOut:
         run_id, at=spec.at, replay=ReplayMode(spec.replay), new_run_id=spec.run_id
     )
     return RunOut.of(forked)
+
+
+@router.post("/api/runs/{run_id}/replay", tags=["runs"], responses=_MUTATING)
+async def replay(app: AppDep, run_id: str, body: ReplayIn | None = None) -> ReplayOut:
+    """What-if: execute this completed run again with the server's code, every call answered
+    from its record, and report whether it reproduces or where it first diverges."""
+    spec = body or ReplayIn()
+    report = await app.replay_async(run_id, mode=spec.mode)
+    return ReplayOut.model_validate(report.to_dict())
