@@ -21,6 +21,7 @@ from durably.definitions import StepDef, bind_arguments, invoke
 from durably.effect import compensate
 from durably.errors import (
     CheckpointCorrupted,
+    CheckpointNotMigratable,
     IdempotencyConflict,
     LeaseLostError,
     NonDeterminismError,
@@ -61,6 +62,7 @@ _PAUSE_REASONS: dict[type[BaseException], PauseReason] = {
     NonDeterminismError: PauseReason.NON_DETERMINISM,
     IdempotencyConflict: PauseReason.IDEMPOTENCY_CONFLICT,
     CheckpointCorrupted: PauseReason.CHECKPOINT_CORRUPTED,
+    CheckpointNotMigratable: PauseReason.CHECKPOINT_NOT_MIGRATABLE,
     NotAwaited: PauseReason.CALL_NOT_AWAITED,
     ReplayBlocked: PauseReason.REPLAY_BLOCKED,
 }
@@ -299,7 +301,8 @@ def refused_result(op: OperationRecord) -> bool:
 
 
 async def load_context(engine: Engine, claim: Claim) -> RunContext:
-    """Read and verify the run's journal; raises CheckpointCorrupted if it cannot be trusted."""
+    """Read and verify the run's journal; raises CheckpointCorrupted if it cannot be trusted,
+    CheckpointNotMigratable if its checkpoint cannot be read by this code."""
     store = engine.store
     journal = await store.load_journal(claim.run.run_id, checkpoints=CHECKPOINTS_READ)
     assert journal is not None, "a claimed run exists"
@@ -349,8 +352,8 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
     wf = engine.registry.workflow_def(claim.run.workflow)
     try:
         ctx = await load_context(engine, claim)
-    except CheckpointCorrupted as exc:
-        paused = ending(RunStatus.PAUSED, PauseReason.CHECKPOINT_CORRUPTED, exc, None)
+    except (CheckpointCorrupted, CheckpointNotMigratable) as exc:
+        paused = ending(RunStatus.PAUSED, _PAUSE_REASONS[type(exc)], exc, None)
         await engine.store.commit(claim.lease, paused)
         return
     for op in ctx.operations.values():

@@ -575,7 +575,7 @@ def test_checkpoints_carry_every_field(make_app: MakeApp) -> None:
     assert payloads[0]["status"] == "completed"
     assert payloads[0]["completed_effects"] == {
         "count": 1,
-        "last": app.describe(run.run_id)["effects"][0]["idempotency_key"],
+        "keys": [app.describe(run.run_id)["effects"][0]["idempotency_key"]],
     }
     intent = payloads[-1]
     assert intent["pending_action"]["step_id"] == "t#1"
