@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from durably.actions import new_run_id
+from durably.actions import new_run_id, receipt
 from durably.checkpoint import JournalState
 from durably.engine import Engine
 from durably.errors import InvalidInput, RunNotFound
@@ -62,8 +62,9 @@ async def fork(
         "fork": {"of": source_id, "at": at, "replay": replay.value},
     }
     input_json = canonical_json(run_input, what="the fork's input", limit=engine.max_payload_bytes)
+    run_id = run_id or new_run_id()
     new = NewRun(
-        run_id=run_id or new_run_id(),
+        run_id=run_id,
         tenant=source.tenant,
         workflow=wf.name,
         workflow_version=wf.version,
@@ -71,6 +72,7 @@ async def fork(
         input_json=input_json,
         input_hash=sha256_hex(canonical_json({"workflow": wf.name, "input": run_input})),
         key_scheme=KEY_SCHEME,
+        receipt=receipt(engine, run_id),
     )
     record, created = await store.create_run(new)
     if not created:
