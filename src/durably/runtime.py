@@ -359,6 +359,8 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
     for op in ctx.operations.values():
         if op.status not in (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED):
             engine.metrics.step_recovery.labels(state=op.status.value).inc()
+    if claim.recovered:
+        await _reconciling(ctx)
     ctx.draining = draining
     heartbeat = asyncio.create_task(_heartbeat(ctx))
     token = context._run.set(ctx)
@@ -406,6 +408,40 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
         ctx.drop_unawaited()  # left by a workflow that raised: closed, not warned about
         context._run.reset(token)
         heartbeat.cancel()
+
+
+_UNSETTLED = (OperationStatus.EXECUTING, OperationStatus.UNKNOWN, OperationStatus.RECONCILING)
+
+
+async def _reconciling(ctx: RunContext) -> None:
+    """A recovered run whose journal holds calls with no known outcome is ``reconciling``
+    before it makes any new call: replay reaches each of them (in the order they were made)
+    and settles it, reconciling or re-sending it; the last one settled makes it ``running``
+    again (see ``EffectCore._back_to_running``)."""
+    ops = sorted(
+        (op for op in ctx.operations.values() if op.status in _UNSETTLED),
+        key=lambda op: op.created_at,
+    )
+    if not ops:
+        return
+    keys = [op.idempotency_key for op in ops]
+    first = ops[0]
+    pending = {
+        "tool": first.tool,
+        "step_id": first.step_id,
+        "idempotency_key": first.idempotency_key,
+        "status": first.status.value,
+    }
+    ctx.unsettled.update(keys)
+    await ctx.commit(
+        Transition(
+            events=[EventWrite("run_reconciling", None, {"idempotency_keys": keys})],
+            run=RunUpdate(RunStatus.RECONCILING),
+            checkpoint=ctx.journal.draft(
+                status=RunStatus.RECONCILING, current_step=first.step_id, pending_action=pending
+            ),
+        )
+    )
 
 
 async def _stop_unwrapped(workflow: Coroutine[Any, Any, Any]) -> Any:
