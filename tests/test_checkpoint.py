@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from durably import checkpoint as cp
-from durably.errors import CheckpointCorrupted
+from durably.errors import CheckpointCorrupted, CheckpointNotMigratable
 from durably.keys import sha256_hex
 
 
@@ -67,9 +67,9 @@ def test_old_schema_versions_are_migrated_on_load(monkeypatch: pytest.MonkeyPatc
     old = {k: v for k, v in payload.items() if k != "budget_snapshot"}
     old["schema_version"] = 0
     checksum = cp.checksum_of(old)
-    with pytest.raises(CheckpointCorrupted, match="no registered migration"):
+    with pytest.raises(CheckpointNotMigratable, match="no registered migration"):
         cp.from_stored(dict(old), checksum)
-    monkeypatch.setattr(cp, "_migrations", {})
+    monkeypatch.setattr(cp, "_migrations", dict(cp._migrations))
 
     @cp.register_checkpoint_migration(0)
     def add_budget(p: dict[str, Any]) -> dict[str, Any]:
@@ -78,6 +78,30 @@ def test_old_schema_versions_are_migrated_on_load(monkeypatch: pytest.MonkeyPatc
     upgraded = cp.from_stored(dict(old), checksum)
     assert upgraded.schema_version == cp.CHECKPOINT_SCHEMA_VERSION
     assert upgraded.budget_snapshot == {}
+
+
+def test_version_1_lists_its_latest_effect_and_version_2_a_bounded_list() -> None:
+    state = cp.JournalState("r")
+    v1, _ = sealed(state, 1)
+    v1 = {**v1, "schema_version": 1, "completed_effects": {"count": 3, "last": "k3"}}
+    upgraded = cp.from_stored(dict(v1), cp.checksum_of(v1))
+    assert upgraded.completed_effects == {"count": 3, "keys": ["k3"]}
+    for i in range(cp.EFFECTS_LISTED + 5):
+        state.effect_completed(f"k{i}")
+    listed = state.draft(status="running", current_step=None).completed_effects
+    assert listed["count"] == cp.EFFECTS_LISTED + 5
+    assert listed["keys"] == [f"k{i}" for i in range(5, cp.EFFECTS_LISTED + 5)]
+
+
+def test_a_newer_checkpoint_is_not_migratable_and_not_passed_over() -> None:
+    """An intact checkpoint newer than the code stops verification: an older one is no
+    anchor for it, and it is not reported corrupted."""
+    state = cp.JournalState("r")
+    older = sealed(state, 1, version=1)
+    newer, _ = sealed(state, 2, version=2)
+    newer["schema_version"] = cp.CHECKPOINT_SCHEMA_VERSION + 1
+    with pytest.raises(CheckpointNotMigratable, match="newer than this durably reads"):
+        cp.verify_journal([], [(newer, cp.checksum_of(newer)), older], lambda seq: {})
 
 
 KEY = b"k" * 32

@@ -30,6 +30,7 @@ def test_errors_can_be_caught_by_kind() -> None:
             "NonDeterminismError",
             "LeaseLostError",
             "CheckpointCorrupted",
+            "CheckpointNotMigratable",
             "BudgetExceeded",
             "NotAwaited",
             "ReplayBlocked",

@@ -14,6 +14,7 @@ import uuid
 from typing import Any, Literal
 
 from durably import owners, runtime
+from durably.checkpoint import CheckpointDraft, JournalState
 from durably.definitions import WorkflowDef
 from durably.engine import Engine
 from durably.errors import (
@@ -46,6 +47,12 @@ def new_run_id() -> str:
     return f"run_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
 
 
+def receipt(engine: Engine, run_id: str) -> CheckpointDraft:
+    """A new run's first checkpoint, written with it: the task received, nothing run yet."""
+    state = JournalState(run_id=run_id, key=engine.secret_key)
+    return state.draft(status=RunStatus.QUEUED, current_step=None)
+
+
 async def start(
     engine: Engine,
     wf: WorkflowDef,
@@ -72,8 +79,9 @@ async def start(
         run_input, what=f"the input of {wf.name}", limit=engine.max_payload_bytes
     )
     ih = sha256_hex(canonical_json({"workflow": wf.name, "input": run_input}))
+    run_id = run_id or new_run_id()
     new = NewRun(
-        run_id=run_id or new_run_id(),
+        run_id=run_id,
         tenant=tenant,
         workflow=wf.name,
         workflow_version=wf.version,
@@ -81,6 +89,7 @@ async def start(
         input_json=input_json,
         input_hash=ih,
         key_scheme=KEY_SCHEME,
+        receipt=receipt(engine, run_id),
     )
     record, created = await store.create_run(new)
     if not created and (record.input_hash != ih or record.tenant != tenant):

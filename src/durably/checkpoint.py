@@ -21,11 +21,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from durably.errors import CheckpointCorrupted
+from durably.errors import CheckpointCorrupted, CheckpointNotMigratable
 from durably.keys import keyed_hex, plain_json, sha256_hex
 from durably.status import RunStatus
 
-CHECKPOINT_SCHEMA_VERSION = 1
+CHECKPOINT_SCHEMA_VERSION = 2
+"""2: ``completed_effects`` lists the keys of the run's latest confirmed effects (was: the
+count and the latest key only); version 1 checkpoints are upgraded on read."""
+
+EFFECTS_LISTED = 16
+"""Confirmed effect keys a checkpoint lists: the latest ones, oldest first. Bounded, so a
+run with thousands of effects writes checkpoints of the same size; the tool ledger holds
+the whole list, and ``count`` says how many there are."""
 
 CHECKPOINT_EVERY = 32
 """A step's result is checkpointed only when this many results were settled since the last
@@ -55,6 +62,15 @@ def register_checkpoint_migration(
         return fn
 
     return register
+
+
+@register_checkpoint_migration(1)
+def _list_completed_effects(payload: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 kept the count and the latest key; its list is that key alone."""
+    effects = payload.get("completed_effects") or {}
+    last = effects.get("last")
+    listed = {"count": int(effects.get("count", 0)), "keys": [last] if last else []}
+    return {**payload, "completed_effects": listed}
 
 
 def chain_digest(previous: str, step_id: str, output_hash: str) -> str:
@@ -124,7 +140,8 @@ def from_stored(payload: dict[str, Any], checksum: str, key: bytes | None = None
     """Verify a stored checkpoint (see :func:`checksum_holds`), then migrate it to the
     current schema version.
 
-    Raises :class:`CheckpointCorrupted` if the checksum does not prove what is stored.
+    Raises :class:`CheckpointCorrupted` if the checksum does not prove what is stored,
+    :class:`CheckpointNotMigratable` if it does but its schema version cannot be read.
     """
     if not checksum_holds(payload, checksum, key):
         checkpoint_id = payload.get("checkpoint_id")
@@ -139,12 +156,20 @@ def from_stored(payload: dict[str, Any], checksum: str, key: bytes | None = None
             why = "failed its checksum"
         raise CheckpointCorrupted(f"checkpoint {checkpoint_id} {why}", run_id=payload.get("run_id"))
     version = int(payload["schema_version"])
+    if version > CHECKPOINT_SCHEMA_VERSION:
+        raise CheckpointNotMigratable(
+            f"checkpoint {payload.get('checkpoint_id')} has schema_version {version}, newer "
+            f"than this durably reads ({CHECKPOINT_SCHEMA_VERSION}); run it with the newer "
+            "durably that wrote it",
+            run_id=payload.get("run_id"),
+        )
     while version < CHECKPOINT_SCHEMA_VERSION:
         upgrade = _migrations.get(version)
         if upgrade is None:
-            raise CheckpointCorrupted(
-                f"checkpoint schema_version {version} has no registered migration to "
-                f"{version + 1}; register one with durably.register_checkpoint_migration",
+            raise CheckpointNotMigratable(
+                f"checkpoint {payload.get('checkpoint_id')} has schema_version {version}, "
+                f"with no registered migration to {version + 1}; register one with "
+                "durably.register_checkpoint_migration, then resume the run",
                 run_id=payload.get("run_id"),
             )
         payload = upgrade(dict(payload))
@@ -163,7 +188,9 @@ class JournalState:
     length: int = 0
     digest: str = ""
     effects_completed: int = 0
-    last_effect: str | None = None
+    recent_effects: tuple[str, ...] = ()
+    """The latest :data:`EFFECTS_LISTED` confirmed effect keys (a tuple: a copy of this
+    state made before a commit must not share it)."""
     budget: dict[str, Any] = field(default_factory=dict)
     key: bytes | None = field(default=None, repr=False)
     """The App's secret, which seals the checkpoints drafted from here (None: plain)."""
@@ -177,7 +204,7 @@ class JournalState:
 
     def effect_completed(self, idempotency_key: str) -> None:
         self.effects_completed += 1
-        self.last_effect = idempotency_key
+        self.recent_effects = (*self.recent_effects, idempotency_key)[-EFFECTS_LISTED:]
 
     def draft(
         self,
@@ -196,9 +223,7 @@ class JournalState:
             status=status,
             state_snapshot={"journal_length": self.length, "journal_digest": self.digest},
             pending_action=pending_action,
-            # A count and the latest key, not the whole list: the ledger holds the list, the
-            # journal digest covers every result, and a list would grow each checkpoint.
-            completed_effects={"count": self.effects_completed, "last": self.last_effect},
+            completed_effects={"count": self.effects_completed, "keys": list(self.recent_effects)},
             budget_snapshot=dict(self.budget),
             prune=prune,
             key=self.key,
@@ -279,7 +304,9 @@ def verify_journal(
     another run (copied over, seal and all) is not an anchor.
     ``recorded_hashes_after(seq)`` returns ``{step_id: output_hash}`` from the events after
     ``seq``; it is only called when results were settled after the anchor.
-    Raises :class:`CheckpointCorrupted` when the journal cannot be verified.
+    Raises :class:`CheckpointCorrupted` when the journal cannot be verified, and
+    :class:`CheckpointNotMigratable` from the newest intact checkpoint: an older one is no
+    fallback for a readable-by-newer-code one, which is not corrupted.
     """
     corrupted: list[str] = []
     anchor: Checkpoint | None = None

@@ -140,6 +140,12 @@ class CheckpointCorrupted(RunStopError):
     """A checkpoint failed its checksum and the journal could not be verified otherwise."""
 
 
+class CheckpointNotMigratable(RunStopError):
+    """A checkpoint is intact but written in a schema version this code cannot read: newer
+    than it knows, or older with no registered migration. Not corruption: deploy the newer
+    durably, or register the migration, then resume."""
+
+
 class NotAwaited(RunStopError):
     """The workflow returned while a step or tool call it created was never awaited (a
     missing ``await``): that call never happened, so the run pauses instead of completing."""

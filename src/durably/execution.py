@@ -129,6 +129,9 @@ class RunContext(CallIdentity):
     previous_lease_until: float | None = None
     """The previous holder's lease deadline (store clock), if this execution recovered the
     run from another holder whose sends may still be arriving."""
+    unsettled: set[str] = field(default_factory=set)
+    """Keys of the operations a recovered run found unsettled (executing, unknown, being
+    reconciled): the run is ``reconciling`` until each is settled or re-sent."""
 
     def __post_init__(self) -> None:
         self.root = Scope(self)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from durably.actions import new_run_id
+from durably.actions import new_run_id, receipt
 from durably.checkpoint import JournalState
 from durably.engine import Engine
 from durably.errors import InvalidInput, RunNotFound
@@ -66,8 +66,9 @@ async def fork(
     if what_if:
         run_input["fork"]["what_if"] = True
     input_json = canonical_json(run_input, what="the fork's input", limit=engine.max_payload_bytes)
+    run_id = run_id or new_run_id()
     new = NewRun(
-        run_id=run_id or new_run_id(),
+        run_id=run_id,
         tenant=source.tenant,
         workflow=wf.name,
         workflow_version=wf.version,
@@ -75,6 +76,7 @@ async def fork(
         input_json=input_json,
         input_hash=sha256_hex(canonical_json({"workflow": wf.name, "input": run_input})),
         key_scheme=KEY_SCHEME,
+        receipt=receipt(engine, run_id),
     )
     record, created = await store.create_run(new)
     if not created:

@@ -21,6 +21,7 @@ from durably.definitions import StepDef, bind_arguments, invoke
 from durably.effect import compensate
 from durably.errors import (
     CheckpointCorrupted,
+    CheckpointNotMigratable,
     IdempotencyConflict,
     LeaseLostError,
     NonDeterminismError,
@@ -61,6 +62,7 @@ _PAUSE_REASONS: dict[type[BaseException], PauseReason] = {
     NonDeterminismError: PauseReason.NON_DETERMINISM,
     IdempotencyConflict: PauseReason.IDEMPOTENCY_CONFLICT,
     CheckpointCorrupted: PauseReason.CHECKPOINT_CORRUPTED,
+    CheckpointNotMigratable: PauseReason.CHECKPOINT_NOT_MIGRATABLE,
     NotAwaited: PauseReason.CALL_NOT_AWAITED,
     ReplayBlocked: PauseReason.REPLAY_BLOCKED,
 }
@@ -299,7 +301,8 @@ def refused_result(op: OperationRecord) -> bool:
 
 
 async def load_context(engine: Engine, claim: Claim) -> RunContext:
-    """Read and verify the run's journal; raises CheckpointCorrupted if it cannot be trusted."""
+    """Read and verify the run's journal; raises CheckpointCorrupted if it cannot be trusted,
+    CheckpointNotMigratable if its checkpoint cannot be read by this code."""
     store = engine.store
     journal = await store.load_journal(claim.run.run_id, checkpoints=CHECKPOINTS_READ)
     assert journal is not None, "a claimed run exists"
@@ -349,13 +352,15 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
     wf = engine.registry.workflow_def(claim.run.workflow)
     try:
         ctx = await load_context(engine, claim)
-    except CheckpointCorrupted as exc:
-        paused = ending(RunStatus.PAUSED, PauseReason.CHECKPOINT_CORRUPTED, exc, None)
+    except (CheckpointCorrupted, CheckpointNotMigratable) as exc:
+        paused = ending(RunStatus.PAUSED, _PAUSE_REASONS[type(exc)], exc, None)
         await engine.store.commit(claim.lease, paused)
         return
     for op in ctx.operations.values():
         if op.status not in (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED):
             engine.metrics.step_recovery.labels(state=op.status.value).inc()
+    if claim.recovered:
+        await _reconciling(ctx)
     ctx.draining = draining
     heartbeat = asyncio.create_task(_heartbeat(ctx))
     token = context._run.set(ctx)
@@ -403,6 +408,40 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
         ctx.drop_unawaited()  # left by a workflow that raised: closed, not warned about
         context._run.reset(token)
         heartbeat.cancel()
+
+
+_UNSETTLED = (OperationStatus.EXECUTING, OperationStatus.UNKNOWN, OperationStatus.RECONCILING)
+
+
+async def _reconciling(ctx: RunContext) -> None:
+    """A recovered run whose journal holds calls with no known outcome is ``reconciling``
+    before it makes any new call: replay reaches each of them (in the order they were made)
+    and settles it, reconciling or re-sending it; the last one settled makes it ``running``
+    again (see ``EffectCore._back_to_running``)."""
+    ops = sorted(
+        (op for op in ctx.operations.values() if op.status in _UNSETTLED),
+        key=lambda op: op.created_at,
+    )
+    if not ops:
+        return
+    keys = [op.idempotency_key for op in ops]
+    first = ops[0]
+    pending = {
+        "tool": first.tool,
+        "step_id": first.step_id,
+        "idempotency_key": first.idempotency_key,
+        "status": first.status.value,
+    }
+    ctx.unsettled.update(keys)
+    await ctx.commit(
+        Transition(
+            events=[EventWrite("run_reconciling", None, {"idempotency_keys": keys})],
+            run=RunUpdate(RunStatus.RECONCILING),
+            checkpoint=ctx.journal.draft(
+                status=RunStatus.RECONCILING, current_step=first.step_id, pending_action=pending
+            ),
+        )
+    )
 
 
 async def _stop_unwrapped(workflow: Coroutine[Any, Any, Any]) -> Any:

@@ -87,6 +87,10 @@ class PauseReason(StrEnum):
     EFFECT_STATE_UNKNOWN = "effect_state_unknown"
     PERMISSION = "permission_denied"
     CHECKPOINT_CORRUPTED = "checkpoint_corrupted"
+    CHECKPOINT_NOT_MIGRATABLE = "checkpoint_not_migratable"
+    """The newest intact checkpoint has a schema version this code cannot read (newer, or
+    no migration registered): run the newer durably, or register the migration, then
+    ``resume``."""
     NON_DETERMINISM = "non_determinism"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     BUDGET_EXCEEDED = "budget_exceeded"

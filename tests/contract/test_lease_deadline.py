@@ -300,3 +300,46 @@ def test_no_call_starts_once_a_parallel_branch_releases_the_run(make_app: MakeAp
     done = app.get_run(run.run_id)
     assert done.status is RunStatus.COMPLETED, (done.status, done.error)
     assert sent == ["o-1"]
+
+
+def test_a_recovered_run_reconciles_before_it_makes_a_new_call(make_app: MakeApp) -> None:
+    """Its holder died mid-call: the next holder records ``reconciling`` first, settles the
+    call (here: re-sends the key), and only then is ``running`` and makes the next call."""
+    app = make_app(lease_ttl=LEASE)
+    thaw = {"frozen": False}
+
+    async def slow_authorisation(op: durably.Operation) -> bool:
+        if not thaw["frozen"]:
+            thaw["frozen"] = True
+            frozen(LEASE.total_seconds() * 2.5)  # dies between its claim and its send
+        return True
+
+    @app.tool(idempotent=True, authorize=slow_authorisation)
+    def send() -> str:
+        return "sent"
+
+    @app.step()
+    def after() -> str:
+        return "next"
+
+    @app.workflow()
+    async def wf() -> list[str]:
+        return [await send(), await after()]
+
+    first = app.run(wf)
+    assert first.status is not RunStatus.COMPLETED
+    done = finish_elsewhere(app, first.run_id)
+    assert done.result == ["sent", "next"]
+    types = [e.type for e in app.events(first.run_id)]
+    order = [
+        "run_recovered",
+        "run_reconciling",
+        "effect_reconciling",
+        "effect_resent",
+        "run_reconciled",
+        "effect_succeeded",
+        "step_succeeded",
+    ]
+    assert [t for t in types if t in order][-len(order) :] == order
+    reconciling = next(c for c in app.checkpoints(first.run_id) if c["status"] == "reconciling")
+    assert reconciling["pending_action"]["step_id"] == "send#1"

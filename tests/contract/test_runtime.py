@@ -575,11 +575,33 @@ def test_checkpoints_carry_every_field(make_app: MakeApp) -> None:
     assert payloads[0]["status"] == "completed"
     assert payloads[0]["completed_effects"] == {
         "count": 1,
-        "last": app.describe(run.run_id)["effects"][0]["idempotency_key"],
+        "keys": [app.describe(run.run_id)["effects"][0]["idempotency_key"]],
     }
     intent = payloads[-1]
     assert intent["pending_action"]["step_id"] == "t#1"
     assert json.dumps(payloads)  # everything is JSON
+
+
+def test_a_run_is_checkpointed_when_it_is_received(make_app: MakeApp) -> None:
+    """The first checkpoint is written with the run: queued, nothing in its journal."""
+    app = make_app()
+
+    @app.workflow()
+    async def wf(n: int) -> int:
+        return n
+
+    run_id = app.start(wf, 1, run_id="received")
+    assert app.start(wf, 1, run_id="received") == run_id  # the same task: no second one
+    (receipt,) = app.checkpoints(run_id)
+    assert receipt["valid"]
+    assert receipt["status"] == "queued"
+    assert (receipt["state_version"], receipt["last_event_sequence"]) == (1, 1)
+    assert receipt["state_snapshot"] == {"journal_length": 0, "journal_digest": ""}
+    assert receipt["completed_effects"] == {"count": 0, "keys": []}
+    assert [e.type for e in app.events(run_id)] == ["run_started"]
+    app.worker().run(until_idle=True)
+    assert app.get_run(run_id).result == 1
+    assert app.checkpoints(run_id)[-1]["checkpoint_id"] == f"{run_id}:1"
 
 
 def test_a_paused_unknown_effect_is_the_checkpoints_pending_action(make_app: MakeApp) -> None:

@@ -334,7 +334,9 @@ def test_with_a_secret_a_forged_checkpoint_is_detected(
     run = app.run("wf")
     assert run.status is RunStatus.PAUSED
     forge(database_url, app, run.run_id, "price#1", "1000")
-    assert not any(c["valid"] for c in app.checkpoints(run.run_id))
+    checkpoints = app.checkpoints(run.run_id)
+    # Only the receipt's holds: it was written before the result, which it does not cover.
+    assert [c["valid"] for c in checkpoints] == [False] * (len(checkpoints) - 1) + [True]
     gate_open["v"] = True
     with pytest.raises(durably.CheckpointCorrupted):
         app.resolve_effect(run.run_id, "gate#1", "not_executed")
@@ -361,8 +363,9 @@ def test_with_a_secret_a_forged_journal_and_event_log_is_reported(
     app.resolve_effect(run.run_id, "gate#1", "not_executed")
     reported = [e for e in app.events(run.run_id) if e.type == "checkpoint_corrupted"]
     assert reported
-    assert len(reported[0].payload["checkpoint_ids"]) == len(app.checkpoints(run.run_id)) - 1
-    assert reported[0].payload["recovered_from"] == "event_log"
+    # All but the receipt (which holds, covering no result) and the one written since.
+    assert len(reported[0].payload["checkpoint_ids"]) == len(app.checkpoints(run.run_id)) - 2
+    assert reported[0].payload["recovered_from"] == f"{run.run_id}:1"
     # The limit: with nothing sealed left to compare with, the forged value is used.
     assert app.resume(run.run_id).result == 1000
 

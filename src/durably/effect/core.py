@@ -190,6 +190,9 @@ class EffectCore:
         settled (recorded, executing, unknown, being reconciled): what recovery must do first.
         """
         ctx = self.ctx
+        if run is not None and run.status is RunStatus.RUNNING:
+            # Out of ``reconciling``: every call it was for is settled.
+            events = [*events, EventWrite("run_reconciled", None, {})]
         pending_action = (
             None
             if write.status in _SETTLED
@@ -292,7 +295,12 @@ class EffectCore:
         return scrub(self.tool, self.arguments, text)
 
     def _back_to_running(self) -> RunUpdate | None:
-        if not self.reconciling:
+        """``running`` again once this call is settled (or re-sent), unless a call the run
+        found unsettled when it was recovered still is."""
+        unsettled = self.ctx.unsettled
+        was_unsettled = self.key in unsettled
+        unsettled.discard(self.key)
+        if not (self.reconciling or was_unsettled) or unsettled:
             return None
         self.reconciling = False
         return RunUpdate(RunStatus.RUNNING)

@@ -203,6 +203,8 @@ class NewRun:
     input_json: str
     input_hash: str
     key_scheme: int
+    receipt: CheckpointDraft | None = None
+    """The run's first checkpoint (empty journal, ``queued``), written with its insert."""
 
 
 @dataclass(frozen=True)

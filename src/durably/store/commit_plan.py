@@ -24,6 +24,7 @@ from durably.store.plans import (
     Plan,
     Query,
     Round,
+    insert_checkpoint,
     insert_event,
     json_or_none,
     lease_lost,
@@ -226,22 +227,7 @@ def _following(
         settled = last_sequence if s.settle else None
         rest.append(("upsert_step", {"run_id": run_id, **_step(s), "settled_sequence": settled}))
     if t.checkpoint is not None:
-        cp, payload_json = t.checkpoint.seal(
-            state_version=state_version, last_event_sequence=last_sequence
-        )
-        rest.append(
-            (
-                "insert_checkpoint",
-                {
-                    "run_id": cp.run_id,
-                    "state_version": cp.state_version,
-                    "last_event_sequence": cp.last_event_sequence,
-                    "schema_version": cp.schema_version,
-                    "payload_json": payload_json,
-                    "checksum": cp.checksum,
-                },
-            )
-        )
+        rest.append(insert_checkpoint(t.checkpoint, state_version, last_sequence))
         if t.checkpoint.prune:
             rest.append(("prune_checkpoints", {"run_id": run_id, "keep": CHECKPOINTS_KEPT}))
     return rest

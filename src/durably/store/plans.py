@@ -20,6 +20,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from durably.checkpoint import CheckpointDraft
 from durably.errors import InvalidTransition, LeaseLostError, RunNotFound
 from durably.keys import plain_json
 from durably.status import RunStatus
@@ -95,13 +96,33 @@ def json_or_none(value: Any) -> str | None:
 # -- the other writes -----------------------------------------------------------------
 
 
+def insert_checkpoint(draft: CheckpointDraft, state_version: int, last_sequence: int) -> Query:
+    """The checkpoint ``draft`` sealed at this state version and event sequence, as a query."""
+    cp, payload_json = draft.seal(state_version=state_version, last_event_sequence=last_sequence)
+    return (
+        "insert_checkpoint",
+        {
+            "run_id": cp.run_id,
+            "state_version": cp.state_version,
+            "last_event_sequence": cp.last_event_sequence,
+            "schema_version": cp.schema_version,
+            "payload_json": payload_json,
+            "checksum": cp.checksum,
+        },
+    )
+
+
 def create_run(new: NewRun) -> Plan[tuple[RunRecord, bool]]:
-    """Insert a queued run with its ``run_started`` event, or read the existing one."""
+    """Insert a queued run with its ``run_started`` event and its receipt checkpoint, or
+    read the existing one."""
     (inserted,) = yield Round([("insert_run", vars(new))])
     if inserted:
         payload = {"workflow": new.workflow, "version": new.workflow_version}
-        started = insert_event(new.run_id, 1, "run_started", None, payload)
-        yield Round([started], final=True, notify=True)
+        queries = [insert_event(new.run_id, 1, "run_started", None, payload)]
+        if new.receipt is not None:
+            # The task is received: a recoverable boundary before anything runs.
+            queries.append(insert_checkpoint(new.receipt, inserted[0]["state_version"], 1))
+        yield Round(queries, final=True, notify=True)
         return run_from_row(inserted[0]), True
     (existing,) = yield Round([("get_run", {"run_id": new.run_id})], final=True)
     return run_from_row(existing[0]), False
