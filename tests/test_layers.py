@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "durably.execution": 3,
     "durably.context": 3,
     "durably.runtime": 3,
+    "durably.verification": 3,
     "durably.effect": 3,
     "durably.waits": 3,
     "durably.workflow_api": 3,

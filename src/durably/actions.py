@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from durably import owners, runtime
+from durably import owners, runtime, verification
 from durably.checkpoint import CheckpointDraft, JournalState
 from durably.definitions import WorkflowDef
 from durably.engine import Engine
@@ -154,7 +154,7 @@ async def resolve_effect(
         OperationStatus.EXECUTING,
         OperationStatus.FAILED,
     )
-    refused = bool(ops) and runtime.refused_result(ops[0]) and outcome == "succeeded"
+    refused = bool(ops) and verification.refused_result(ops[0]) and outcome == "succeeded"
     if not ops or (ops[0].status not in settleable and not refused):
         found = ops[0].status.value if ops else "no effect"
         raise InvalidTransition(
@@ -166,7 +166,7 @@ async def resolve_effect(
     op = ops[0]
     step = next(s for s in journal.steps if s.step_id == step_id)
     # Verify first: a new checkpoint over an altered journal would launder the damage.
-    journal_state, corrupted = await runtime.verified(store, journal, engine.secret_key)
+    journal_state, corrupted = await verification.verified(store, journal, engine.secret_key)
     result_json = None
     external_id: str | None = None
     error: dict[str, Any] | None = None
