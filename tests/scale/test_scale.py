@@ -142,20 +142,28 @@ def test_two_workers_race_for_the_same_ready_runs(scale: Scale, tmp_path: Path) 
 # -- 2. a worker frozen mid-effect past its lease ----------------------------------------
 
 BLOCKED = {
-    # kind: (shop path, the blocked tool's step id, events the new owner writes for it)
+    # kind: (shop path, the blocked tool's step id, events the new owner writes for it: the
+    # run is reconciling until the call is settled, in the commit that settles it)
     "idempotent": (
         "/orders",
         "place_order#1",
         [
+            ("run_reconciling", None),
             ("effect_reconciling", "place_order#1"),
             ("effect_resent", "place_order#1"),
+            ("run_reconciled", None),
             ("effect_succeeded", "place_order#1"),
         ],
     ),
     "reconciled": (
         "/coupons",
         "issue_coupon#1",
-        [("effect_reconciling", "issue_coupon#1"), ("effect_reconciled", "issue_coupon#1")],
+        [
+            ("run_reconciling", None),
+            ("effect_reconciling", "issue_coupon#1"),
+            ("effect_reconciled", "issue_coupon#1"),
+            ("run_reconciled", None),
+        ],
     ),
 }
 HELD_BACK_S = 3.0
