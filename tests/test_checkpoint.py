@@ -29,7 +29,7 @@ def test_tampered_payload_fails_its_checksum() -> None:
 def test_journal_is_verified_against_anchor_and_events() -> None:
     """Results up to the anchor match its digest; later ones must match their events."""
     state = cp.JournalState("r")
-    state.settle("a#1", "1")
+    state.settle("a#1", sha256_hex("1"))
     anchor = sealed(state, 2)
     results = [
         cp.SettledResult("a#1", 2, sha256_hex("1")),
@@ -48,7 +48,7 @@ def test_journal_is_verified_against_anchor_and_events() -> None:
 def test_a_corrupted_newest_checkpoint_falls_back_to_an_older_one() -> None:
     state = cp.JournalState("r")
     older = sealed(state, 1, version=1)
-    state.settle("a#1", "1")
+    state.settle("a#1", sha256_hex("1"))
     newest_payload, newest_checksum = sealed(state, 2, version=2)
     newest_payload["current_step"] = "forged"
     result = cp.verify_journal(
@@ -131,7 +131,7 @@ def test_a_secret_seals_checkpoints_and_only_its_seal_is_trusted() -> None:
 def test_with_a_secret_a_plain_newest_checkpoint_is_passed_over() -> None:
     state = cp.JournalState("r")
     older = keyed(state, 1, version=1)
-    state.settle("a#1", "1")
+    state.settle("a#1", sha256_hex("1"))
     state.key = None
     newest = sealed(state, 2, version=2)
     result = cp.verify_journal(

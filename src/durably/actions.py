@@ -175,7 +175,7 @@ async def resolve_effect(
         result_json = canonical_json(
             result, what="the resolved result", limit=engine.max_payload_bytes
         )
-        journal_state.settle(step_id, result_json)
+        journal_state.settle(step_id, sha256_hex(result_json))
         journal_state.effect_completed(op.idempotency_key)
         op_status = OperationStatus.SUCCEEDED
         tool = engine.registry.tool_def(op.tool, missing_ok=True)

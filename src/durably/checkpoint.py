@@ -197,10 +197,12 @@ class JournalState:
     unchecked: int = 0
     """Results settled since the last checkpoint drafted."""
 
-    def settle(self, step_id: str, output_json: str) -> None:
+    def settle(self, step_id: str, output_hash: str) -> None:
+        """Add a result to the journal, by the sha256 of its JSON (its event's
+        ``output_hash``: computed once per result)."""
         self.length += 1
         self.unchecked += 1
-        self.digest = chain_digest(self.digest, step_id, sha256_hex(output_json))
+        self.digest = chain_digest(self.digest, step_id, output_hash)
 
     def effect_completed(self, idempotency_key: str) -> None:
         self.effects_completed += 1

@@ -86,7 +86,7 @@ async def fork(
     version = record.state_version
     for step in kept:
         output_json = step.output_json or "null"
-        state.settle(step.step_id, output_json)
+        state.settle(step.step_id, sha256_hex(output_json))
         op = ops.get(step.step_id)
         write = None
         key = None

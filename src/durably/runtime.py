@@ -156,7 +156,7 @@ class StepCall:
                 ),
                 checkpoint=ctx.journal.periodic(current_step=self.step_id),
             ),
-            settle=(self.step_id, output_json),
+            settle=(self.step_id, output_hash),
         )
         # Result, event and any checkpoint are one transaction: checkpoint.after_write (fired
         # by the commit when it held one) and this window are the same moment.

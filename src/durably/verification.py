@@ -16,19 +16,16 @@ from durably.store.base import (
     EventWrite,
     Journal,
     OperationRecord,
-    StepRecord,
     Store,
 )
 
 
 def journal_state(
-    run_id: str, steps: list[StepRecord], ops: list[OperationRecord], key: bytes | None
+    run_id: str, settled: list[SettledResult], ops: list[OperationRecord], key: bytes | None
 ) -> JournalState:
     state = JournalState(run_id=run_id, key=key)
-    for step in sorted(
-        (s for s in steps if s.settled_sequence is not None), key=lambda s: s.settled_sequence or 0
-    ):
-        state.settle(step.step_id, step.output_json or "null")
+    for result in sorted(settled, key=lambda r: r.settled_sequence):
+        state.settle(result.step_id, result.output_hash)
     for op in sorted(ops, key=lambda o: o.created_at):
         if op.status is OperationStatus.SUCCEEDED and op.result_json is not None:
             state.effect_completed(op.idempotency_key)
@@ -63,7 +60,7 @@ async def verified(
         events = await store.events(run_id)
         verification = verify_journal(settled, stored, _output_hashes(events), key, run_id)
     _check_ledger_matches_journal(journal)
-    state = journal_state(run_id, journal.steps, journal.operations, key)
+    state = journal_state(run_id, settled, journal.operations, key)
     if not verification.corrupted_checkpoints:
         return state, None
     anchor = verification.anchor

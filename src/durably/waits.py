@@ -83,10 +83,11 @@ class _Wait:
         plan_version: int | None = None,
     ) -> None:
         output_json = canonical_json(outcome, what=f"the outcome of {self.step_id}")
+        output_hash = sha256_hex(output_json)
         ctx = self.ctx
         await ctx.commit(
             lambda: Transition(
-                events=[EventWrite(event, self.step_id, {"output_hash": sha256_hex(output_json)})],
+                events=[EventWrite(event, self.step_id, {"output_hash": output_hash})],
                 step=StepWrite(
                     self.step_id,
                     self.position,
@@ -102,7 +103,7 @@ class _Wait:
                 use_approval=use,
                 plan_version=plan_version,
             ),
-            settle=(self.step_id, output_json),
+            settle=(self.step_id, output_hash),
         )
 
     async def suspend(

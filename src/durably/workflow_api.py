@@ -129,6 +129,6 @@ async def patched(name: str) -> bool:
                 ),
                 checkpoint=ctx.journal.periodic(current_step=step_id),
             ),
-            settle=(step_id, "true"),
+            settle=(step_id, sha256_hex("true")),
         )
     return not replaying

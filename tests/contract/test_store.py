@@ -13,6 +13,7 @@ import pytest
 
 from durably.checkpoint import JournalState, from_stored
 from durably.errors import InvalidTransition, LeaseLostError, SchemaTooNew
+from durably.keys import sha256_hex
 from durably.metrics import LedgerFigures
 from durably.status import OperationStatus, RunStatus, StepStatus
 from durably.store import open_store
@@ -254,7 +255,7 @@ def test_checkpoint_is_sealed_with_sequence_and_checksum(store: Store) -> None:
     claim = run(store.claim_run("r1", "w1", 30))
     assert claim is not None
     state = JournalState("r1")
-    state.settle("s#1", '{"a":1}')
+    state.settle("s#1", sha256_hex('{"a":1}'))
     committed = run(
         store.commit(
             claim.lease,

@@ -17,6 +17,7 @@ from durably.keys import (
     idempotency_key,
     input_hash,
     plain_json,
+    sha256_hex,
 )
 from durably.reconcile import Operation
 from durably.redaction import redact, scrub
@@ -228,7 +229,7 @@ class EffectCore:
         outcome = self.op is not None and self.op.status is OperationStatus.EXECUTING
         committed = await ctx.commit(
             transition,
-            settle=None if settle is None else (self.step_id, settle),
+            settle=None if settle is None else (self.step_id, sha256_hex(settle)),
             effect=None if settle is None else self.key,
             durable=outcome,
         )
