@@ -119,6 +119,7 @@ def test_the_graph_records_turns_and_calls_tools_by_call_id(
     assert sorted(e["step_id"] for e in effects) == sorted(call_ids)
     assert len({e["idempotency_key"] for e in effects}) == CALLS
     assert all(e["status"] == "succeeded" for e in effects)
+    harness.assert_model_calls(app, run.run_id, TURNS[mode])
 
     again = app.run(workflow, **plan(customer, mode), run_id=run.run_id)
     assert again.status is RunStatus.COMPLETED

@@ -51,11 +51,6 @@ def opaque(value: Any) -> str:
     return f"<{kind.__module__}.{kind.__qualname__}>"
 
 
-def step_name(name: str) -> str:
-    """A model's name as a step name: '#' and '|' delimit step ids and keys."""
-    return name.replace("#", "_").replace("|", "_")
-
-
 def tool_function(
     invoke: Callable[..., Any],
     fn: Callable[..., Any],

@@ -46,7 +46,8 @@ from pydantic import ConfigDict, PrivateAttr
 
 import durably
 from durably import ConfigurationError, Durable, RetryPolicy
-from durably.integrations._common import jsonable, step_name, uncancelled, without_none
+from durably.integrations._common import jsonable, uncancelled, without_none
+from durably.model_calls import model_step_name
 
 __all__ = ["DurableChatModel", "canonical_request", "durable_tool"]
 
@@ -133,7 +134,8 @@ def _refuse_checkpointer(what: str) -> None:
 
 
 class DurableChatModel(BaseChatModel):
-    """A chat model whose every generation is one recorded step of the durably run.
+    """A chat model whose every generation is one recorded model call of the durably run
+    (:meth:`durably.App.call_model`).
 
     The step is named ``model:<name>`` (``name``, else the model's ``model_name`` or
     ``model`` attribute, else its ``_llm_type``) and hashed by :func:`canonical_request`.
@@ -147,6 +149,7 @@ class DurableChatModel(BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     model: BaseChatModel
+    model_name: str
     step: str
     retry: RetryPolicy | None = None
     _app: durably.App = PrivateAttr()
@@ -161,9 +164,14 @@ class DurableChatModel(BaseChatModel):
         **kwargs: Any,
     ) -> None:
         inner = model.model if isinstance(model, DurableChatModel) else model
-        step = "model:" + step_name(name or _model_name(inner))
+        model_name = name or _model_name(inner)
         # BaseChatModel's typed __init__ does not know this subclass's own fields.
-        fields: dict[str, Any] = {"model": inner, "step": step, "retry": retry}
+        fields: dict[str, Any] = {
+            "model": inner,
+            "model_name": model_name,
+            "step": model_step_name(model_name),
+            "retry": retry,
+        }
         super().__init__(**fields, **kwargs)
         self._app = app
 
@@ -209,19 +217,17 @@ class DurableChatModel(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         _refuse_checkpointer(self.step)
-        recorded = await self._app.call_step(
-            self.step,
+        recorded = await self._app.call_model(
+            self.model_name,
             self._respond,
             messages,
             stop=stop,
             canonical=canonical_request,
             retry=self.retry,
+            usage=_usage,
             **kwargs,
         )
         message = messages_from_dict([recorded["message"]])[0]
-        usage = getattr(message, "usage_metadata", None)
-        if usage:
-            await durably.charge(tokens=usage["total_tokens"])
         return ChatResult(
             generations=[ChatGeneration(message=message)], llm_output=recorded.get("llm_output")
         )
@@ -263,6 +269,11 @@ def _message(message: BaseMessage) -> Any:
         for volatile in _VOLATILE:
             data.pop(volatile, None)
     return without_none(plain)
+
+
+def _usage(recorded: dict[str, Any]) -> Any:
+    """A recorded generation's token usage: its message's ``usage_metadata``."""
+    return recorded["message"]["data"].get("usage_metadata")
 
 
 def _model_name(model: BaseChatModel) -> str:

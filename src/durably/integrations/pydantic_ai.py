@@ -51,7 +51,6 @@ import durably
 from durably import ConfigurationError, Durable, OutsideRunError, RetryPolicy
 from durably.integrations._common import (
     jsonable,
-    step_name,
     tool_function,
     uncancelled,
     without_none,
@@ -168,26 +167,23 @@ class _Backend(CallableOperationBackend[None]):
             del request  # hashed and stored; the unit's body holds the live objects
             return await body()
 
-        recorded = await self.capability.app.call_step(
-            "model:" + step_name(operation_id.model_name),
+        return await self.capability.app.call_model(
+            operation_id.model_name,
             respond,
             request,
             canonical=canonical_request,
             retry=self.capability.retry,
         )
-        usage = recorded.get("usage", {}) if isinstance(recorded, dict) else {}
-        tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
-        await durably.charge(tokens=tokens)
-        return recorded
 
 
 class DurablyDurability(BaseDurabilityCapability[Any]):
     """The durability capability: ``Agent(..., capabilities=[DurablyDurability(app)])``.
 
-    Inside a durably workflow, each model request of the agent is one recorded step,
-    ``model:<model name>``, hashed by :func:`canonical_request`; its result is the
-    ``ModelResponse`` as JSON (Pydantic AI's own serialization), rebuilt from the journal on
-    every replay. Its ``input_tokens + output_tokens`` are charged to the run's budget.
+    Inside a durably workflow, each model request of the agent is one recorded model call
+    (:meth:`durably.App.call_model`), ``model:<model name>``, hashed by
+    :func:`canonical_request`; its result is the ``ModelResponse`` as JSON (Pydantic AI's
+    own serialization), rebuilt from the journal on every replay. Its
+    ``input_tokens + output_tokens`` are charged to the run's budget.
     ``retry`` is the step's retry policy (durably's default when None). Tools are not
     wrapped: give the agent :func:`durable_tool` tools. Outside a workflow the agent runs
     as usual.
