@@ -46,7 +46,7 @@ from pydantic import ConfigDict, PrivateAttr
 
 import durably
 from durably import ConfigurationError, Durable, RetryPolicy
-from durably.integrations._common import jsonable, uncancelled, without_none
+from durably.integrations._common import jsonable, without_none
 from durably.model_calls import model_step_name
 
 __all__ = ["DurableChatModel", "canonical_request", "durable_tool"]
@@ -88,7 +88,7 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> StructuredTool:
                 "model's tool call (ToolNode, or tool.ainvoke(tool_call))"
             )
         _refuse_checkpointer(name)
-        result = await uncancelled(tool.with_step_id(call_id)(*args, **kwargs))
+        result = await tool.with_step_id(call_id)(*args, **kwargs)
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
     fn = tool.fn

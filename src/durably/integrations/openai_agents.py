@@ -58,7 +58,6 @@ from durably.integrations._common import (
     jsonable,
     opaque,
     tool_function,
-    uncancelled,
     without_none,
 )
 from durably.model_calls import model_step_name
@@ -113,7 +112,7 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> FunctionTool:
             )
 
     async def invoke(tool_context: ToolContext[Any], /, *args: Any, **kwargs: Any) -> str:
-        result = await uncancelled(tool.with_step_id(tool_context.tool_call_id)(*args, **kwargs))
+        result = await tool.with_step_id(tool_context.tool_call_id)(*args, **kwargs)
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
     wrapper = tool_function(invoke, tool.fn, context=(_CONTEXT_PARAMETER, ToolContext), returns=str)

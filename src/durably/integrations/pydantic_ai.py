@@ -52,7 +52,6 @@ from durably import ConfigurationError, Durable, OutsideRunError, RetryPolicy
 from durably.integrations._common import (
     jsonable,
     tool_function,
-    uncancelled,
     without_none,
 )
 
@@ -112,7 +111,7 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> Tool[Any]:
                 "recovery would ask the model again and get this call under a new id: a new "
                 "effect. Give the agent capabilities=[DurablyDurability(app)]"
             )
-        return await uncancelled(tool.with_step_id(ctx.tool_call_id)(*args, **kwargs))
+        return await tool.with_step_id(ctx.tool_call_id)(*args, **kwargs)
 
     returns = typing.get_type_hints(tool.fn).get("return", inspect.Signature.empty)
     wrapper = tool_function(
