@@ -48,6 +48,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
     async def settle(self) -> Any:
         self.ctx.started(self.step_id)
         if self.op is None:
+            await self.ctx.after_recovered_calls()
             # Only a brand-new call stops for a cancel, a shutdown or the budget: an effect
             # already under way is settled first (reconciled if need be), never abandoned.
             await self.ctx.boundary()
