@@ -388,4 +388,6 @@ def test_a_new_call_waits_for_the_recovered_call_another_branch_is_settling(
     assert done.result == ["refunded", "notified"]
     assert sent == ["refund", "notify"]
     events = [(e.type, e.step_id) for e in app.events(first.run_id)]
-    assert events.index(("run_reconciled", None)) < events.index(("effect_intent_recorded", "notify#1"))
+    assert events.index(("run_reconciled", None)) < events.index(
+        ("effect_intent_recorded", "notify#1")
+    )

@@ -45,7 +45,7 @@ from langchain_core.tools import BaseTool, InjectedToolCallId, StructuredTool
 from pydantic import ConfigDict, PrivateAttr
 
 import durably
-from durably import ConfigurationError, Durable, RetryPolicy
+from durably import ConfigurationError, Durable, RetryPolicy, context
 from durably.integrations._common import jsonable, without_none
 from durably.model_calls import model_step_name
 
@@ -116,6 +116,33 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> StructuredTool:
     options.setdefault("name", name)
     options.setdefault("description", inspect.getdoc(fn) or name)
     return StructuredTool.from_function(coroutine=wrapper, **options)
+
+
+def _task_step_id(step: str) -> str | None:
+    """The step id of a generation made in a LangGraph node: ``<step>@<super-step>/<node>/
+    <task>#<n>``, the n-th of that task (subgraph nodes under their parents' names).
+
+    LangGraph runs a super-step's nodes concurrently, so the order their generations start
+    in is latency's; an id of their task's own lets a replay match them in any order. None
+    outside a graph, and in a run whose generations of this model were all recorded by
+    position (by a version before this one): it replays as it was recorded.
+    """
+    metadata = ensure_config().get("metadata") or {}
+    node, superstep = metadata.get("langgraph_node"), metadata.get("langgraph_step")
+    if node is None or superstep is None:
+        return None
+    run = context.active()
+    by_position = [s for s in run.steps if s.startswith(step + "#")]
+    if by_position and not any(s.startswith(step + "@") for s in run.steps):
+        return None
+    # ('__pregel_pull', 'agent') or ('__pregel_push', 2, False): the task within its node.
+    path = metadata.get("langgraph_path") or ()
+    task = ".".join(str(p) for p in path[1:] if not isinstance(p, bool))
+    parents = str(metadata.get("langgraph_checkpoint_ns") or "").split("|")[:-1]
+    where = "/".join([*(p.split(":")[0] for p in parents), str(superstep), str(node), task])
+    prefix = f"{step}@{where}#".replace("|", "_")
+    # Calls one task makes are numbered in the order it makes them, like positional ones.
+    return f"{prefix}{1 + sum(s.startswith(prefix) for s in run.reached)}"
 
 
 def _refuse_checkpointer(what: str) -> None:
@@ -225,6 +252,7 @@ class DurableChatModel(BaseChatModel):
             canonical=canonical_request,
             retry=self.retry,
             usage=_usage,
+            step_id=_task_step_id(self.step),
             **kwargs,
         )
         message = messages_from_dict([recorded["message"]])[0]
