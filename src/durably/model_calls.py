@@ -80,7 +80,7 @@ def record(
     return {
         "model_call_id": model_call_id(run_id, step_id),
         "model": spec.model,
-        "profile": spec.profile,
+        "model_profile": spec.profile,
         "input": dict(arguments) if size <= limit else None,
         "input_bytes": size,
         "usage": usage_of(spec, answer),

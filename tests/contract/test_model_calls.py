@@ -72,7 +72,7 @@ def test_a_model_call_is_recorded_once_and_its_tool_calls_name_their_effects(
     [call] = doc["model_calls"]
     assert call["model_call_id"].startswith("mc_")
     assert call["step_id"] == "plan#1"
-    assert (call["model"], call["profile"]) == ("gpt-test", "support-v3")
+    assert (call["model"], call["model_profile"]) == ("gpt-test", "support-v3")
     assert call["input"] == {"messages": [{"role": "user", "content": "refund o1"}]}
     assert call["output"] == chat_answer("refunding", (120, 30), ["call_a", "call_b"])
     assert call["usage"] == {"input_tokens": 120, "output_tokens": 30, "total_tokens": 150}

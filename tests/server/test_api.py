@@ -138,7 +138,11 @@ def test_a_run_shows_its_model_calls(h: Harness) -> None:
     assert doc["status"] == "completed"
     [call] = doc["model_calls"]
     assert call["model_call_id"].startswith("mc_")
-    assert (call["step_id"], call["model"], call["profile"]) == ("answer#1", "scripted-mini", "v1")
+    assert (call["step_id"], call["model"], call["model_profile"]) == (
+        "answer#1",
+        "scripted-mini",
+        "v1",
+    )
     assert call["input"] == {"question": "why?"}
     assert call["output"] == {"text": "WHY?", "usage": {"input_tokens": 3, "output_tokens": 2}}
     assert call["usage"] == {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}

@@ -137,7 +137,7 @@ def show_run(config: Config, run_id: str, as_json: bool) -> None:
             [
                 c["step_id"],
                 c["model"],
-                c["profile"],
+                c["model_profile"],
                 _tokens(c["usage"]),
                 f"{c['latency_ms']:.0f} ms",
                 ", ".join(c["tool_call_ids"]),

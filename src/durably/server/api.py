@@ -127,7 +127,7 @@ class ModelCallOut(BaseModel):
     step_id: str
     name: str
     model: str
-    profile: str | None
+    model_profile: str | None
     input_hash: str
     input: Stored = Field(description="What the input hash covers; null when over the limit.")
     input_bytes: int
