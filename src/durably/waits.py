@@ -141,7 +141,7 @@ class _Wait:
                     checkpoint=ctx.journal.draft(status=status, current_step=self.step_id),
                     release=True,
                     wake_on_signal=wake_on_signal,
-                    request_approval=request,
+                    request_approvals=() if request is None else (request,),
                 )
             )
             if request is not None:

@@ -10,6 +10,7 @@ from durably.effect.core import EffectCore
 from durably.errors import (
     ApprovalRejected,
 )
+from durably.execution import AwaitedApproval, Suspend
 from durably.keys import (
     plain_json,
 )
@@ -109,29 +110,51 @@ class Approving(EffectCore):
             "arguments": self.stored_arguments,
             "expires_at": expires_at,
         }
+        this = AwaitedApproval(
+            self._step(StepStatus.WAITING_APPROVAL),
+            EventWrite(
+                "approval_requested" if request else "approval_waiting",
+                self.step_id,
+                {"approval_id": approval_id, "expires_at": expires_at},
+            ),
+            request,
+            waiting,
+        )
+        if ctx.awaited is not None:
+            # A parallel call of the run is suspending it for its approval: this request is
+            # recorded in the same commit, so a person sees and decides them all at once.
+            ctx.awaited.append(this)
+            ctx.landed(id(self))
+            # Unwinding now would make a TaskGroup cancel the calls still on their way here.
+            await ctx.ended.wait()
+            raise Suspend
+        ctx.awaited = [this]
 
         async def suspend() -> None:
+            awaited = await ctx.join_approvals()
+            first = awaited[0]
+            if len(awaited) > 1:
+                waiting_for = {**first.waiting, "approvals": [a.waiting for a in awaited]}
+            else:
+                waiting_for = first.waiting
             await ctx.commit(
                 lambda: Transition(
-                    events=[
-                        EventWrite(
-                            "approval_requested" if request else "approval_waiting",
-                            self.step_id,
-                            {"approval_id": approval_id, "expires_at": expires_at},
-                        )
-                    ],
-                    step=self._step(StepStatus.WAITING_APPROVAL),
+                    events=[a.event for a in awaited],
+                    step=first.step,
+                    more_steps=tuple(a.step for a in awaited[1:]),
                     run=RunUpdate(
-                        RunStatus.WAITING_APPROVAL, waiting_for=waiting, available_at=expires_at
+                        RunStatus.WAITING_APPROVAL,
+                        waiting_for=waiting_for,
+                        available_at=min(a.waiting["expires_at"] for a in awaited),
                     ),
                     checkpoint=ctx.journal.draft(
-                        status=RunStatus.WAITING_APPROVAL, current_step=self.step_id
+                        status=RunStatus.WAITING_APPROVAL, current_step=first.step.step_id
                     ),
                     release=True,
-                    request_approval=request,
+                    request_approvals=tuple(a.request for a in awaited if a.request),
                 )
             )
-            # The request and the suspension are one transaction: this is the same moment.
+            # The requests and the suspension are one transaction: this is the same moment.
             faults.crash_point("approval.after_request")
 
         await ctx.release(suspend, exclude=id(self))
