@@ -298,7 +298,8 @@ def test_parallel_requests_and_the_suspension_are_one_transaction(
 
     proc = h.recover("approved_together", run_id, customer=customer, campaign=CAMPAIGN)
     assert proc.code == 0, proc.explain()
-    assert proc.run is not None and proc.run["status"] == "completed", proc.explain()
+    assert proc.run is not None
+    assert proc.run["status"] == "completed", proc.explain()
     placed = orders(shop, customer)
     assert sorted(o["request"]["items"][0]["sku"] for o in placed) == [
         f"{CAMPAIGN}-{i}" for i in range(3)
