@@ -341,7 +341,51 @@ class RunContext(CallIdentity):
         finally:
             self.landed(call)
 
-    async def join_approvals(self) -> list[AwaitedApproval]:
+    async def await_approval(
+        self, this: AwaitedApproval, *, exclude: int | None = None
+    ) -> NoReturn:
+        """Suspend the run in ``waiting_approval`` for ``this`` call (``exclude``: its
+        in-flight id) and for every parallel call of the run that needs an approval too:
+        their requests, step rows and the suspension are one commit, so a person sees and
+        decides them all at once. A call arriving while another suspends the run joins it."""
+        if self.awaited is not None:
+            self.awaited.append(this)
+            if exclude is not None:
+                self.landed(exclude)
+            # Unwinding now would make a TaskGroup cancel the calls still on their way here.
+            await self.ended.wait()
+            raise Suspend
+        self.awaited = [this]
+
+        async def suspend() -> None:
+            awaited = await self._join_approvals()
+            first = awaited[0]
+            waiting_for = first.waiting
+            if len(awaited) > 1:
+                waiting_for = {**first.waiting, "approvals": [a.waiting for a in awaited]}
+            await self.commit(
+                lambda: Transition(
+                    events=[a.event for a in awaited],
+                    step=first.step,
+                    more_steps=tuple(a.step for a in awaited[1:]),
+                    run=RunUpdate(
+                        RunStatus.WAITING_APPROVAL,
+                        waiting_for=waiting_for,
+                        available_at=min(a.waiting["expires_at"] for a in awaited),
+                    ),
+                    checkpoint=self.journal.draft(
+                        status=RunStatus.WAITING_APPROVAL, current_step=first.step.step_id
+                    ),
+                    release=True,
+                    request_approvals=tuple(a.request for a in awaited if a.request),
+                )
+            )
+            # The requests and the suspension are one transaction: this is the same moment.
+            faults.crash_point("approval.after_request")
+
+        await self.release(suspend, exclude=exclude)
+
+    async def _join_approvals(self) -> list[AwaitedApproval]:
         """The calls that wait for approval together (the run is closing): parallel calls
         started with the first one may still be on their way to their approval check, so
         they are waited for (until nothing is in flight) before the list is taken."""

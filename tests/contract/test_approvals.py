@@ -357,3 +357,34 @@ def test_an_expired_one_of_parallel_approvals_is_asked_again(
     app.approve(run.run_id, by="ana")
     assert app.resume(run.run_id).status is RunStatus.COMPLETED
     assert sent == Counter({"a": 1, "b": 1, "c": 1})
+
+
+def test_a_plan_approval_and_a_tool_approval_in_parallel_are_asked_together(
+    make_app: MakeApp,
+) -> None:
+    """``durably.approval`` in one branch, a ``requires_approval`` tool in another: one
+    suspension asks both; each decided, the run completes with the tool called once."""
+    app = make_app()
+    sent = Counter[str]()
+
+    @app.tool(idempotent=True, requires_approval=True)
+    def publish(post: str) -> str:
+        sent[post] += 1
+        return post
+
+    @app.workflow()
+    async def campaign() -> list[Any]:
+        plan = durably.approval("budget", {"eur": 500})
+        return await durably.gather(plan, publish("launch"))
+
+    run = app.run(campaign)
+    assert run.status is RunStatus.WAITING_APPROVAL
+    pending = [a for a in approvals(app, run.run_id) if a["status"] == "requested"]
+    assert sorted(a["kind"] for a in pending) == ["plan", "tool"]
+    for a in pending:
+        app.approve(run.run_id, a["approval_id"], by="ana")
+    done = app.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED, done.error
+    assert done.result[0]["approved"] is True
+    assert done.result[1] == "launch"
+    assert sent == Counter({"launch": 1})

@@ -5,23 +5,20 @@ from __future__ import annotations
 import logging
 import uuid
 
-from durably import faults
 from durably.effect.core import EffectCore
 from durably.errors import (
     ApprovalRejected,
 )
-from durably.execution import AwaitedApproval, Suspend
+from durably.execution import AwaitedApproval
 from durably.keys import (
     plain_json,
 )
-from durably.status import RunStatus, StepStatus
+from durably.status import StepStatus
 from durably.store.base import (
     Approval,
     ApprovalRequest,
     ApprovalUse,
     EventWrite,
-    RunUpdate,
-    Transition,
 )
 
 log = logging.getLogger("durably")
@@ -120,41 +117,4 @@ class Approving(EffectCore):
             request,
             waiting,
         )
-        if ctx.awaited is not None:
-            # A parallel call of the run is suspending it for its approval: this request is
-            # recorded in the same commit, so a person sees and decides them all at once.
-            ctx.awaited.append(this)
-            ctx.landed(id(self))
-            # Unwinding now would make a TaskGroup cancel the calls still on their way here.
-            await ctx.ended.wait()
-            raise Suspend
-        ctx.awaited = [this]
-
-        async def suspend() -> None:
-            awaited = await ctx.join_approvals()
-            first = awaited[0]
-            if len(awaited) > 1:
-                waiting_for = {**first.waiting, "approvals": [a.waiting for a in awaited]}
-            else:
-                waiting_for = first.waiting
-            await ctx.commit(
-                lambda: Transition(
-                    events=[a.event for a in awaited],
-                    step=first.step,
-                    more_steps=tuple(a.step for a in awaited[1:]),
-                    run=RunUpdate(
-                        RunStatus.WAITING_APPROVAL,
-                        waiting_for=waiting_for,
-                        available_at=min(a.waiting["expires_at"] for a in awaited),
-                    ),
-                    checkpoint=ctx.journal.draft(
-                        status=RunStatus.WAITING_APPROVAL, current_step=first.step.step_id
-                    ),
-                    release=True,
-                    request_approvals=tuple(a.request for a in awaited if a.request),
-                )
-            )
-            # The requests and the suspension are one transaction: this is the same moment.
-            faults.crash_point("approval.after_request")
-
-        await ctx.release(suspend, exclude=id(self))
+        await ctx.await_approval(this, exclude=id(self))
