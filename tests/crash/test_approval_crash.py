@@ -292,9 +292,12 @@ def test_parallel_requests_and_the_suspension_are_one_transaction(
         campaign=CAMPAIGN,
     )
     assert_crashed(crashed, "effect.after_call")
-    # The first call back from the shop died with the process; the others were in flight.
+    # The first call back from the shop died with the process; the others were in flight,
+    # or not claimed yet: their approvals are consumed by their claims, or still unused.
     assert 1 <= len(orders(shop, customer)) <= 3
-    assert [a["status"] for a in h.describe(run_id)["approvals"]] == ["consumed"] * 3
+    statuses = [a["status"] for a in h.describe(run_id)["approvals"]]
+    assert "consumed" in statuses
+    assert set(statuses) <= {"consumed", "approved"}, statuses
 
     proc = h.recover("approved_together", run_id, customer=customer, campaign=CAMPAIGN)
     assert proc.code == 0, proc.explain()
