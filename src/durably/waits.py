@@ -14,7 +14,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from durably import context, faults
+from durably import context
 from durably.errors import (
     ApprovalExpired,
     ApprovalRejected,
@@ -22,7 +22,7 @@ from durably.errors import (
     NonDeterminismError,
     WaitTimeout,
 )
-from durably.execution import RunContext
+from durably.execution import AwaitedApproval, RunContext
 from durably.keys import canonical_json, input_hash, sha256_hex
 from durably.status import RunStatus, StepStatus
 from durably.store.base import (
@@ -55,10 +55,12 @@ def _seconds(duration: float | timedelta | None, what: str) -> float | None:
 class _Wait:
     """One wait call: its step id, its recorded state, and the commits that move it."""
 
-    def __init__(self, ctx: RunContext, name: str, arguments: dict[str, Any]) -> None:
+    def __init__(
+        self, ctx: RunContext, name: str, arguments: dict[str, Any], step_id: str | None = None
+    ) -> None:
         self.ctx = ctx
         self.name = name
-        self.step_id, self.position = ctx.allocate(name, None)
+        self.step_id, self.position = ctx.allocate(name, step_id)
         self.input_hash = input_hash(name, "1", arguments)
         ctx.replayed(self.step_id, self.position, "step", name, self.input_hash)
         recorded = ctx.steps.get(self.step_id)
@@ -119,20 +121,25 @@ class _Wait:
         """Record the wait, release the run, and unwind the workflow until it is due."""
         ctx = self.ctx
         waiting = {**waiting_for, "step_id": self.step_id}
+        step = StepWrite(
+            self.step_id,
+            self.position,
+            "step",
+            self.name,
+            StepStatus.PENDING,
+            self.input_hash,
+            output_json=canonical_json(pending),
+        )
+        event = EventWrite("wait_started", self.step_id, waiting)
+        if status is RunStatus.WAITING_APPROVAL:
+            # With the approvals the run's parallel calls wait for, if any.
+            await ctx.await_approval(AwaitedApproval(step, event, request, waiting))
 
         async def suspend() -> None:
             await ctx.commit(
                 lambda: Transition(
-                    events=[EventWrite("wait_started", self.step_id, waiting)],
-                    step=StepWrite(
-                        self.step_id,
-                        self.position,
-                        "step",
-                        self.name,
-                        StepStatus.PENDING,
-                        self.input_hash,
-                        output_json=canonical_json(pending),
-                    ),
+                    events=[event],
+                    step=step,
                     run=RunUpdate(
                         status,
                         waiting_for=waiting,
@@ -141,12 +148,8 @@ class _Wait:
                     checkpoint=ctx.journal.draft(status=status, current_step=self.step_id),
                     release=True,
                     wake_on_signal=wake_on_signal,
-                    request_approval=request,
                 )
             )
-            if request is not None:
-                # The request and the suspension are one transaction: this is the same moment.
-                faults.crash_point("approval.after_request")
 
         await ctx.release(suspend)
 
@@ -231,6 +234,25 @@ async def approval(
 
         decision = await durably.approval("send_campaign", {"audience": 12000})
     """
+    return await approval_at(None, name, payload, expires_in=expires_in)
+
+
+def requested(step_id: str) -> tuple[bool, Any]:
+    """Whether this run requested an approval at ``step_id`` (:func:`approval_at`), and the
+    payload of its latest request."""
+    asked = context.active().approvals.get(step_id)
+    return (True, asked[-1].payload) if asked else (False, None)
+
+
+async def approval_at(
+    step_id: str | None,
+    name: str,
+    payload: Any = None,
+    *,
+    expires_in: float | timedelta = timedelta(hours=24),
+) -> dict[str, Any]:
+    """:func:`approval` at an explicit step id (an integration's, derived from a tool call
+    id): matched by that id alone, so calls made concurrently may ask in any order."""
     check_text(name, "approval name")
     if not name or "#" in name or "|" in name:
         raise ConfigurationError(f"approval name {name!r} is empty or contains '#' or '|'")
@@ -241,7 +263,7 @@ async def approval(
     ctx = context.active()
     # The payload is bound by the approval, not the call: a payload that changed before the
     # decision asks again; one that changed after it is non-determinism.
-    wait = _Wait(ctx, f"{APPROVAL}:{name}", {"name": name})
+    wait = _Wait(ctx, f"{APPROVAL}:{name}", {"name": name}, step_id)
     decided = wait.outcome if isinstance(wait.outcome, dict) else {}
     if wait.settled and decided.get("payload_hash") != payload_hash:
         raise ctx.poison(

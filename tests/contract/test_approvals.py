@@ -135,7 +135,7 @@ def test_the_store_judges_expiry_when_the_claim_consumes_it(database_url: str) -
         claim = await store.claim_run("r", "w", 30)
         assert claim is not None
         request = ApprovalRequest("a1", "t#1", "tool", "t", "{}", "ih", "k", 1, 10**10)
-        await store.commit(claim.lease, Transition(events=[], request_approval=request))
+        await store.commit(claim.lease, Transition(events=[], request_approvals=(request,)))
         await store.decide_approval("r", "a1", "approved", "ana", None)
         wrong_input = ApprovalUse("a1", "other", "k", 1)
         with pytest.raises(durably.ApprovalExpired):
@@ -242,7 +242,8 @@ def test_a_rejection_can_be_told_to_the_model(make_app: MakeApp) -> None:
 def test_calls_in_a_task_group_wait_for_their_approvals(make_app: MakeApp) -> None:
     """A stop raised in an ``asyncio.TaskGroup`` reaches durably inside an exception group,
     and the group cancels the other tasks, one of them maybe while it records the run's
-    release: the run waits for each approval all the same, and each call takes effect once."""
+    release: the run asks for every approval at once all the same, and each call takes
+    effect once."""
     app = make_app()
     sent = Counter[int]()
 
@@ -258,13 +259,132 @@ def test_calls_in_a_task_group_wait_for_their_approvals(make_app: MakeApp) -> No
         return [t.result() for t in tasks]
 
     run = app.run(three)
-    asked = []
-    while run.status is RunStatus.WAITING_APPROVAL:
-        assert run.waiting_for is not None
-        asked.append(run.waiting_for["step_id"])
-        app.approve(run.run_id)
-        run = app.resume(run.run_id)
-    assert sorted(asked) == ["call_0", "call_1", "call_2"]
+    assert run.status is RunStatus.WAITING_APPROVAL
+    pending = [a for a in approvals(app, run.run_id) if a["status"] == "requested"]
+    assert sorted(a["step_id"] for a in pending) == ["call_0", "call_1", "call_2"]
+    for a in pending:
+        app.approve(run.run_id, a["approval_id"])
+    run = app.resume(run.run_id)
     assert run.status is RunStatus.COMPLETED
     assert run.result == [0, 1, 2]
     assert sent == Counter({0: 1, 1: 1, 2: 1})
+
+
+@pytest.fixture
+def refunds(make_app: MakeApp) -> tuple[durably.App, Counter[str]]:
+    """An agent's three parallel refunds, each needing a person's approval (a rejected one
+    is told to the model)."""
+    app = make_app()
+    sent = Counter[str]()
+
+    @app.tool(
+        idempotent=True,
+        requires_approval=True,
+        approval_ttl=timedelta(hours=1),
+        on_rejected=lambda r: f"refused by {r.by}",
+    )
+    def refund(order: str, amount: int) -> str:
+        sent[order] += 1
+        return f"refunded {order}"
+
+    @app.workflow()
+    async def agent() -> list[str]:
+        return await durably.gather(*(refund(o, 10 * n) for n, o in enumerate("abc", 1)))
+
+    return app, sent
+
+
+def pending_by_order(app: durably.App, run_id: str) -> dict[str, dict[str, Any]]:
+    return {
+        a["payload"]["arguments"]["order"]: a
+        for a in approvals(app, run_id)
+        if a["status"] == "requested"
+    }
+
+
+def test_parallel_calls_request_their_approvals_together(refunds: Any) -> None:
+    """One suspension asks for all three approvals, each bound to its own call; the run goes
+    on as each is decided: an approved call takes effect, the others keep waiting for the
+    very requests they made (none is asked again)."""
+    app, sent = refunds
+    run = app.run("agent")
+    assert run.status is RunStatus.WAITING_APPROVAL
+    pending = pending_by_order(app, run.run_id)
+    assert sorted(pending) == ["a", "b", "c"]
+    assert [p["payload"]["arguments"]["amount"] for p in pending.values()] == [10, 20, 30]
+    assert run.waiting_for is not None
+    listed = {w["approval_id"] for w in run.waiting_for["approvals"]}
+    assert listed == {p["approval_id"] for p in pending.values()}
+    steps = {s["step_id"]: s["status"] for s in app.describe(run.run_id)["steps"]}
+    assert sorted(steps.values()) == ["waiting_approval"] * 3
+    assert sent == Counter()
+
+    app.approve(run.run_id, pending["b"]["approval_id"], by="ana")
+    run = app.resume(run.run_id)
+    assert run.status is RunStatus.WAITING_APPROVAL
+    assert sent == Counter({"b": 1})
+    still = pending_by_order(app, run.run_id)
+    assert still == {k: pending[k] for k in ("a", "c")}
+
+    app.reject(run.run_id, pending["a"]["approval_id"], by="bo", comment="duplicate")
+    app.approve(run.run_id, pending["c"]["approval_id"], by="ana")
+    done = app.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED
+    assert done.result == ["refused by bo", "refunded b", "refunded c"]
+    assert sent == Counter({"b": 1, "c": 1})
+    used = {a["payload"]["arguments"]["order"]: a["status"] for a in approvals(app, run.run_id)}
+    assert used == {"a": "rejected", "b": "consumed", "c": "consumed"}
+
+
+def test_an_expired_one_of_parallel_approvals_is_asked_again(
+    refunds: Any, database_url: str
+) -> None:
+    """Approved together, one expired before the run used it: that call alone is asked
+    again (bound to the same call), the other takes effect."""
+    app, sent = refunds
+    run = app.run("agent")
+    pending = pending_by_order(app, run.run_id)
+    for order in "abc":
+        app.approve(run.run_id, pending[order]["approval_id"], by="ana")
+    expire(database_url, pending["c"]["approval_id"])
+    run = app.resume(run.run_id)
+    assert run.status is RunStatus.WAITING_APPROVAL
+    assert sent == Counter({"a": 1, "b": 1})
+    again = pending_by_order(app, run.run_id)
+    assert list(again) == ["c"]
+    assert again["c"]["approval_id"] != pending["c"]["approval_id"]
+    assert again["c"]["idempotency_key"] == pending["c"]["idempotency_key"]
+    app.approve(run.run_id, by="ana")
+    assert app.resume(run.run_id).status is RunStatus.COMPLETED
+    assert sent == Counter({"a": 1, "b": 1, "c": 1})
+
+
+def test_a_plan_approval_and_a_tool_approval_in_parallel_are_asked_together(
+    make_app: MakeApp,
+) -> None:
+    """``durably.approval`` in one branch, a ``requires_approval`` tool in another: one
+    suspension asks both; each decided, the run completes with the tool called once."""
+    app = make_app()
+    sent = Counter[str]()
+
+    @app.tool(idempotent=True, requires_approval=True)
+    def publish(post: str) -> str:
+        sent[post] += 1
+        return post
+
+    @app.workflow()
+    async def campaign() -> list[Any]:
+        plan = durably.approval("budget", {"eur": 500})
+        return await durably.gather(plan, publish("launch"))
+
+    run = app.run(campaign)
+    assert run.status is RunStatus.WAITING_APPROVAL
+    pending = [a for a in approvals(app, run.run_id) if a["status"] == "requested"]
+    assert sorted(a["kind"] for a in pending) == ["plan", "tool"]
+    for a in pending:
+        app.approve(run.run_id, a["approval_id"], by="ana")
+    done = app.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED, done.error
+    assert done.result[0]["approved"] is True
+    assert done.result[1] == "launch"
+    assert sent == Counter({"launch": 1})

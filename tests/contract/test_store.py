@@ -398,7 +398,7 @@ def test_ledger_figures_are_read_from_what_was_recorded(store: Store) -> None:
                 events=reconciled,
                 step=step,
                 operation=op_write(status=OperationStatus.UNKNOWN),
-                request_approval=gone,
+                request_approvals=(gone,),
             ),
         )
     )

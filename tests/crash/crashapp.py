@@ -14,7 +14,8 @@ different kind of external service:
 * ``garbled_tool``: ``idem_tool`` whose result holds a lone surrogate (workflow
   ``garbled_once``): it takes effect, but no store can hold what it returns.
 * ``approved_tool``: ``idem_tool`` with ``requires_approval=True``: each call waits for a
-  person's approval bound to it before it may POST /orders (workflow ``approved_once``).
+  person's approval bound to it before it may POST /orders (workflow ``approved_once``;
+  ``approved_together`` makes a step, then three calls at once, under step ids ``call_<i>``).
 
 Workflows ``<kind>_once`` run a step, the tool once, a step, and return the tool's result;
 ``<kind>_twice`` call the tool twice (campaigns ``<campaign>-1`` and ``<campaign>-2``).
@@ -199,6 +200,20 @@ for _kind, _tool in TOOLS.items():
     app.workflow(name=f"{_kind}_twice")(_twice(_tool))
     app.workflow(name=f"{_kind}_parallel")(_parallel(_tool))
 app.workflow(name="approved_once")(_once(approved_tool))
+
+
+@app.workflow(name="approved_together")
+async def approved_together(customer: str, campaign: str) -> list[dict[str, Any]]:
+    await begin(customer, campaign)
+    calls = [
+        approved_tool.with_step_id(f"call_{i}")(customer=customer, campaign=f"{campaign}-{i}")
+        for i in range(PARALLEL_CALLS)
+    ]
+    effects = await asyncio.gather(*calls)
+    await finish(effects[0])
+    return effects
+
+
 app.workflow(name="garbled_once")(_once(garbled_tool))
 
 

@@ -14,6 +14,10 @@ that first waits for a person's approval bound to that very call. The shop's own
   process does not ask again; it re-sends the same key, which the shop deduplicates.
 * An approval that expired before the run used it authorises nothing: the recovering process
   requests a new approval bound to the same call, and the shop stays untouched.
+* Three parallel calls needing approval (``approved_together``): a crash right after their
+  requests finds all three recorded with the run's suspension (one transaction), none sent;
+  approved one by one with the CLI, a recovery that dies after one call's send and the next
+  one complete the run with each order placed once.
 """
 
 from __future__ import annotations
@@ -246,3 +250,69 @@ def test_undecided_approval_that_expired_is_requested_again(
         f"error: approval {old['approval_id']} of run {run_id} is already expired"
     )
     assert [a["status"] for a in h.describe(run_id)["approvals"]] == ["expired", "requested"]
+
+
+def test_parallel_requests_and_the_suspension_are_one_transaction(
+    h: Harness, shop: Shop, customer: str, run_id: str
+) -> None:
+    crashed = h.start(
+        "approved_together",
+        run_id,
+        crash_at="approval.after_request",
+        customer=customer,
+        campaign=CAMPAIGN,
+    )
+    assert_crashed(crashed, "approval.after_request")
+    doc = h.describe(run_id)
+    assert doc["status"] == "waiting_approval", doc
+    pending = {a["step_id"]: a for a in doc["approvals"] if a["status"] == "requested"}
+    calls = [f"call_{i}" for i in range(3)]
+    assert sorted(pending) == calls
+    assert {w["approval_id"] for w in doc["waiting_for"]["approvals"]} == {
+        a["approval_id"] for a in pending.values()
+    }
+    steps = {s["step_id"]: s["status"] for s in doc["steps"]}
+    assert steps == {"begin#1": "succeeded", **dict.fromkeys(calls, "waiting_approval")}
+    assert doc["effects"] == []
+    assert shop.requests("POST", "/orders") == 0
+
+    several = cli(h, "approve", run_id)
+    assert several.returncode == 1
+    assert "3 pending approvals" in several.stderr
+    for step in calls:
+        approved = cli(h, "approve", run_id, pending[step]["approval_id"], "--by", "alice")
+        assert approved.returncode == 0, approved.stderr
+    assert orders(shop, customer) == []
+
+    crashed = h.recover(
+        "approved_together",
+        run_id,
+        crash_at="effect.after_call",
+        customer=customer,
+        campaign=CAMPAIGN,
+    )
+    assert_crashed(crashed, "effect.after_call")
+    # The first call back from the shop died with the process; the others were in flight,
+    # or not claimed yet: their approvals are consumed by their claims, or still unused.
+    assert 1 <= len(orders(shop, customer)) <= 3
+    statuses = [a["status"] for a in h.describe(run_id)["approvals"]]
+    assert "consumed" in statuses
+    assert set(statuses) <= {"consumed", "approved"}, statuses
+
+    proc = h.recover("approved_together", run_id, customer=customer, campaign=CAMPAIGN)
+    assert proc.code == 0, proc.explain()
+    assert proc.run is not None
+    assert proc.run["status"] == "completed", proc.explain()
+    placed = orders(shop, customer)
+    assert sorted(o["request"]["items"][0]["sku"] for o in placed) == [
+        f"{CAMPAIGN}-{i}" for i in range(3)
+    ]
+    doc = h.describe(run_id)
+    by_key = {e["idempotency_key"]: e for e in doc["effects"]}
+    assert sorted(o["idempotency_key"] for o in placed) == sorted(by_key)
+    assert all(e["status"] == "succeeded" for e in by_key.values())
+    assert sorted((a["step_id"], a["status"]) for a in doc["approvals"]) == [
+        (step, "consumed") for step in calls
+    ]
+    requested = [e.step_id for e in h.events(run_id) if e.type == "approval_requested"]
+    assert sorted(requested) == calls

@@ -231,6 +231,33 @@ class Outcome:
         return self.children[-1]
 
 
+def approve_together(
+    app: durably.App, run: durably.Run, shop: ShopService, customer: str, call_ids: list[str]
+) -> durably.Run:
+    """The run of a model turn with parallel calls of ``approved_order``: it asked for every
+    approval at once (one per recorded tool call id, none sent); approved, it completes
+    with each order placed once, from the shop's own records."""
+    assert run.status is durably.RunStatus.WAITING_APPROVAL, run.error
+    pending = [a for a in app.describe(run.run_id)["approvals"] if a["status"] == "requested"]
+    assert sorted(a["step_id"] for a in pending) == sorted(call_ids)
+    assert len(call_ids) == len(CAMPAIGNS)
+    assert sorted(a["payload"]["arguments"]["campaign"] for a in pending) == CAMPAIGNS
+    assert all(found == [] for found in rows(shop, customer).values())
+    for a in pending:
+        app.approve(run.run_id, a["approval_id"], by="alice")
+    done = app.resume(run.run_id)
+    assert done.status is durably.RunStatus.COMPLETED, done.error
+    at_shop = rows(shop, customer)
+    assert all(len(found) == 1 for found in at_shop.values()), at_shop
+    doc = app.describe(run.run_id)
+    assert sorted((a["step_id"], a["status"]) for a in doc["approvals"]) == sorted(
+        (c, "consumed") for c in call_ids
+    )
+    keys = sorted(e["idempotency_key"] for e in doc["effects"])
+    assert keys == sorted(found[0]["idempotency_key"] for found in at_shop.values())
+    return done
+
+
 AT_ONCE = 6
 """Scenarios in flight together: each mostly waits (for a dead lease, for the shop)."""
 ROUNDS = 8

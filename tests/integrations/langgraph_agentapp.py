@@ -6,7 +6,8 @@ conversation alone (:func:`tests.integrations.shopapp.next_calls`, like a model 
 temperature 0) and, like a real one, stamps fresh random tool call ids on every answer, so
 a turn asked twice would call its tools under new ids. It is wrapped in
 ``DurableChatModel``. Its tools are
-:func:`~tests.integrations.shopapp.shop_tools`, one per kind of effect; ``ToolNode`` runs a
+:func:`~tests.integrations.shopapp.shop_tools`, one per kind of effect, and
+:func:`confirmed_tool` (LangGraph's ``interrupt()`` in a durable tool); ``ToolNode`` runs a
 turn's calls concurrently.
 
 ``python -m tests.integrations.langgraph_agentapp serve`` is
@@ -16,6 +17,7 @@ turn's calls concurrently.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import uuid
 from collections.abc import Callable, Sequence
@@ -31,13 +33,40 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
+from langgraph.types import interrupt
 
 import durably
+from durably.demo.shop import post_json
 from durably.integrations.langgraph import DurableChatModel, durable_tool
 from tests.integrations import shopapp
 
 app = shopapp.crash_app()
 TOOLS = shopapp.shop_tools(app)
+
+
+def confirmed_tool(app: durably.App, url: str | None = None) -> durably.Durable[..., Any]:
+    """``confirmed_order``: ``place_order`` once a person confirms it, asked with LangGraph's
+    ``interrupt()`` inside the tool (a durably approval); a rejection is told to the model."""
+
+    @app.tool(
+        idempotent=True,
+        external_id=lambda r: r["order_id"],
+        on_rejected=lambda r: f"not placed: {r.by} said {r.comment}",
+    )
+    def confirmed_order(customer: str, campaign: str) -> dict[str, Any]:
+        """Place the campaign's one-item order for the customer, once a person confirms."""
+        decision = interrupt({"confirm_order": campaign, "customer": customer})
+        if not decision["approved"]:
+            raise AssertionError("a rejection never returns from interrupt()")
+        shopapp.latency(campaign)
+        body = {"customer": customer, "items": [{"sku": campaign, "qty": 1}], "amount": 12.5}
+        shop = (url or os.environ["SHOP_URL"]).rstrip("/")
+        return post_json(f"{shop}/orders", body, idempotency_key=durably.idempotency_key())
+
+    return confirmed_order
+
+
+TOOLS["confirmed_order"] = confirmed_tool(app)
 
 
 # -- the model ----------------------------------------------------------------------------

@@ -15,28 +15,33 @@ what happened:
 * with ``ToolNode``'s error handling (its default, and ``handle_tool_errors=True``, which
   hands every ``Exception`` to the model), a divergence on replay stops the run: no tool
   or model call after it, no new effect;
-* LangGraph's ``interrupt()`` raised by a durable tool reaches LangGraph unchanged and is
-  not an unknown outcome; a ``durably.StepFailed`` follows ``ToolNode``'s error handling;
+* LangGraph's ``interrupt()`` in a durable tool is a durably approval (asked together for
+  parallel calls; the decision is what ``interrupt()`` returns; a rejection reaches the
+  model with ``on_rejected=``), also across a crash after the call; a
+  ``durably.StepFailed`` follows ``ToolNode``'s error handling;
 * two executions of the same conversation hash every step's input identically, although
   LangChain and LangGraph stamp new message ids each time;
-* what cannot be made durable (a LangGraph checkpointer, a synchronous model call) is
-  refused with a ``ConfigurationError``.
+* what cannot be made durable (a LangGraph checkpointer, a synchronous model call, a
+  durable tool under a model that is not recorded) is refused with a ``ConfigurationError``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import runpy
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langgraph.checkpoint.memory import InMemorySaver
-from langgraph.types import interrupt
 
 import durably
 from durably import RunStatus
@@ -304,39 +309,147 @@ def test_a_divergence_stops_the_graph(
 # -- LangGraph's control flow and tool errors in a durable tool ----------------------------------
 
 
-def test_interrupt_reaches_langgraph_and_is_not_an_unknown_outcome(
-    app: durably.App, customer: str
+def test_interrupt_in_a_durable_tool_is_a_durably_approval(
+    app: durably.App, db: str, shop: ShopService, customer: str
 ) -> None:
-    """The tool calls ``interrupt()``: the ``GraphInterrupt`` passes ``ToolNode`` and ends
-    ``graph.ainvoke`` with LangGraph's ``__interrupt__``. durably records the call as not
-    sent (``intent_recorded``), not as an unknown outcome: nothing pauses for a person."""
-    refunded: list[str] = []
-
-    @app.tool()
-    def refund(order: str) -> str:
-        """Refund the order, once a person agrees."""
-        interrupt({"approve_refund": order})
-        refunded.append(order)
-        return f"refunded {order}"
-
-    def decide(messages: Sequence[BaseMessage]) -> AIMessage:
-        return AIMessage("", tool_calls=[agentapp.tool_call("refund", {"order": "A-1"})])
-
-    graph = graph_of(app, refund, decide=decide)
-
-    @app.workflow()
-    async def support(question: str) -> Any:
-        state = await graph.ainvoke({"messages": [HumanMessage(question)]})
-        return [i.value for i in state["__interrupt__"]]
-
-    run = app.run(support, "refund A-1")
-    assert run.status is RunStatus.COMPLETED, run.error
-    assert run.result == [{"approve_refund": "A-1"}]
-    assert refunded == []
+    """Three calls of one turn each call ``interrupt()``: the run asks three durably
+    approvals at once (the interrupt value in each payload), nothing sent. Approved, the
+    run executes again, each ``interrupt()`` returns its decision, each order is placed once
+    and the model is not asked a recorded turn again."""
+    graph = graph_of(app, agentapp.confirmed_tool(app, shop.url))
+    workflow = agent_workflow(app, lambda: graph)
+    run = app.run(workflow, **plan(customer, "parallel", "confirmed_order"))
+    assert run.status is RunStatus.WAITING_APPROVAL, run.error
+    call_ids = recorded_call_ids(db, run.run_id)
+    pending = [a for a in app.describe(run.run_id)["approvals"] if a["status"] == "requested"]
+    assert sorted(a["step_id"] for a in pending) == sorted(f"{c}/interrupt#1" for c in call_ids)
+    assert sorted(a["payload"]["interrupt"]["confirm_order"] for a in pending) == CAMPAIGNS
+    assert {a["payload"]["tool"] for a in pending} == {"confirmed_order"}
+    assert all(found == [] for found in rows(shop, customer).values())
     effects = app.describe(run.run_id)["effects"]
-    assert [e["status"] for e in effects] == ["intent_recorded"]
+    assert [e["status"] for e in effects] == ["intent_recorded"] * CALLS
     assert [e.type for e in app.events(run.run_id) if e.type == "run_paused"] == []
-    assert MODEL_CALLS[run.run_id] == 1
+
+    for a in pending:
+        app.approve(run.run_id, a["approval_id"], by="alice")
+    done = app.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED, done.error
+    at_shop = rows(shop, customer)
+    assert all(len(found) == 1 for found in at_shop.values()), at_shop
+    for found in at_shop.values():
+        assert found[0]["id"] in done.result["answer"]
+    assert MODEL_CALLS[run.run_id] == TURNS["parallel"]
+    doc = app.describe(run.run_id)
+    assert sorted(e["step_id"] for e in doc["effects"]) == sorted(call_ids)
+    assert {e["status"] for e in doc["effects"]} == {"succeeded"}
+    assert {a["status"] for a in doc["approvals"]} == {"consumed"}
+
+
+def test_a_rejected_interrupt_is_told_to_the_model(
+    app: durably.App, shop: ShopService, customer: str
+) -> None:
+    """With ``on_rejected=``, a rejected interrupt answers the model as the tool's result;
+    the other calls, approved, take effect once."""
+    graph = graph_of(app, agentapp.confirmed_tool(app, shop.url))
+    workflow = agent_workflow(app, lambda: graph)
+    run = app.run(workflow, **plan(customer, "parallel", "confirmed_order"))
+    pending = {
+        a["payload"]["interrupt"]["confirm_order"]: a
+        for a in app.describe(run.run_id)["approvals"]
+        if a["status"] == "requested"
+    }
+    for campaign, a in pending.items():
+        if campaign == CAMPAIGNS[1]:
+            app.reject(run.run_id, a["approval_id"], by="bo", comment="out of stock")
+        else:
+            app.approve(run.run_id, a["approval_id"], by="alice")
+    done = app.resume(run.run_id)
+    assert done.status is RunStatus.COMPLETED, done.error
+    assert "not placed: bo said out of stock" in done.result["answer"]
+    at_shop = rows(shop, customer)
+    assert {c: len(found) for c, found in at_shop.items()} == {
+        CAMPAIGNS[0]: 1,
+        CAMPAIGNS[1]: 0,
+        CAMPAIGNS[2]: 1,
+    }
+
+
+def test_an_interrupt_then_a_crash_after_the_call_places_the_order_once(
+    shop: ShopService, customer: str, tmp_path: Path
+) -> None:
+    """In real processes: the first asks the approval and exits; approved, the next one
+    places the order and dies before recording it (``effect.after_call``); the last one
+    re-sends the same key (the shop deduplicates), the approval used once, and completes."""
+    db = f"sqlite:///{tmp_path}/durably.db"
+    run_id = f"run-{uuid.uuid4().hex[:12]}"
+
+    def process(role: str, crash_at: str | None = None) -> tuple[int, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DURABLY_")}
+        env.update(DURABLY_DATABASE_URL=db, SHOP_URL=shop.url, CRASH_ROLE=role)
+        if crash_at is not None:
+            env["DURABLY_CRASH_AT"] = crash_at
+        run_input = json.dumps(plan(customer, "sequential", "confirmed_order"))
+        argv = [role, run_id, "shop_agent", run_input]
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.integrations.langgraph_agentapp", *argv],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        return done.returncode, done.stdout + done.stderr
+
+    reader = durably.App(db)
+    try:
+        code, out = process("start")
+        for n in range(CALLS):
+            assert code == 0, out
+            assert json.loads(out.splitlines()[-1])["status"] == "waiting_approval", out
+            [pending] = [
+                a for a in reader.describe(run_id)["approvals"] if a["status"] == "requested"
+            ]
+            assert pending["payload"]["interrupt"]["confirm_order"] == CAMPAIGNS[n]
+            reader.approve(run_id, pending["approval_id"], by="alice")
+            if n == 0:
+                code, out = process("recover", crash_at="effect.after_call")
+                assert code == 77, out
+                assert "crash injected at effect.after_call" in out
+                assert len(rows(shop, customer)[CAMPAIGNS[0]]) == 1
+            code, out = process("recover")
+        assert code == 0, out
+        final = json.loads(out.splitlines()[-1])
+        assert final["status"] == "completed", out
+        assert final["model_calls"] == 1, "the recovery asked the model a recorded turn"
+        at_shop = rows(shop, customer)
+        assert all(len(found) == 1 for found in at_shop.values()), at_shop
+        doc = reader.describe(run_id)
+        assert {e["status"] for e in doc["effects"]} == {"succeeded"}
+        assert sorted(found[0]["idempotency_key"] for found in at_shop.values()) == sorted(
+            e["idempotency_key"] for e in doc["effects"]
+        )
+        assert [a["status"] for a in doc["approvals"]] == ["consumed"] * CALLS
+        assert len(model_steps(db, run_id)) == TURNS["sequential"]
+    finally:
+        reader.close()
+
+
+def test_a_durable_tool_refuses_an_unrecorded_model(
+    app: durably.App, shop: ShopService, customer: str
+) -> None:
+    """Tool call ids from a model that is not ``DurableChatModel`` would be new on recovery,
+    and so would the effects: the tool refuses before anything is recorded or sent."""
+    tools = [durable_tool(shopapp.order_tool(app, shop))]
+    graph = agent_graph(ScriptedChatModel(), tools)
+    run = app.run(agent_workflow(app, lambda: graph), **plan(customer, "sequential"))
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None
+    assert run.error["type"] == "ConfigurationError", run.error
+    assert "DurableChatModel" in run.error["message"]
+    assert app.describe(run.run_id)["effects"] == []
+    assert all(found == [] for found in rows(shop, customer).values())
 
 
 @pytest.mark.parametrize("handling", ["default", "catch_all"])

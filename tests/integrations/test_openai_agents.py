@@ -165,6 +165,18 @@ def test_parallel_calls_replay_in_another_order(app: durably.App, shop: ShopServ
     assert len(orders) > 1, f"the latency never changed the order the SDK finished in: {orders}"
 
 
+def test_parallel_calls_ask_their_approvals_together(
+    app: durably.App, db: str, shop: ShopService, customer: str
+) -> None:
+    """Three calls of one turn needing approval: the run asks for all three at once; a
+    person approves them, the run completes, each order placed once, no turn asked again."""
+    agent = agent_of(app, shopapp.shop_tools(app, shop.url)["approved_order"])
+    workflow = agent_workflow(app, lambda: agent)
+    run = app.run(workflow, **plan(customer, "parallel", "approved_order"))
+    harness.approve_together(app, run, shop, customer, recorded_call_ids(db, run.run_id))
+    assert MODEL_CALLS[run.run_id] == TURNS["parallel"]
+
+
 # -- a crash at every point, recovered in a fresh process ----------------------------------------
 
 crash_matrix = harness.matrix_fixture("tests.integrations.agentapp")

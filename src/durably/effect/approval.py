@@ -5,22 +5,20 @@ from __future__ import annotations
 import logging
 import uuid
 
-from durably import faults
 from durably.effect.core import EffectCore
 from durably.errors import (
     ApprovalRejected,
 )
+from durably.execution import AwaitedApproval
 from durably.keys import (
     plain_json,
 )
-from durably.status import RunStatus, StepStatus
+from durably.status import StepStatus
 from durably.store.base import (
     Approval,
     ApprovalRequest,
     ApprovalUse,
     EventWrite,
-    RunUpdate,
-    Transition,
 )
 
 log = logging.getLogger("durably")
@@ -109,29 +107,14 @@ class Approving(EffectCore):
             "arguments": self.stored_arguments,
             "expires_at": expires_at,
         }
-
-        async def suspend() -> None:
-            await ctx.commit(
-                lambda: Transition(
-                    events=[
-                        EventWrite(
-                            "approval_requested" if request else "approval_waiting",
-                            self.step_id,
-                            {"approval_id": approval_id, "expires_at": expires_at},
-                        )
-                    ],
-                    step=self._step(StepStatus.WAITING_APPROVAL),
-                    run=RunUpdate(
-                        RunStatus.WAITING_APPROVAL, waiting_for=waiting, available_at=expires_at
-                    ),
-                    checkpoint=ctx.journal.draft(
-                        status=RunStatus.WAITING_APPROVAL, current_step=self.step_id
-                    ),
-                    release=True,
-                    request_approval=request,
-                )
-            )
-            # The request and the suspension are one transaction: this is the same moment.
-            faults.crash_point("approval.after_request")
-
-        await ctx.release(suspend, exclude=id(self))
+        this = AwaitedApproval(
+            self._step(StepStatus.WAITING_APPROVAL),
+            EventWrite(
+                "approval_requested" if request else "approval_waiting",
+                self.step_id,
+                {"approval_id": approval_id, "expires_at": expires_at},
+            ),
+            request,
+            waiting,
+        )
+        await ctx.await_approval(this, exclude=id(self))

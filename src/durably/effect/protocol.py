@@ -13,6 +13,7 @@ Commits per effect, on the happy path:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -62,7 +63,14 @@ class Effect(Replaying, Reconciling, Approving, Recording):
         return await asyncio.shield(landing)
 
     async def _landed(self) -> Any:
-        async with self.ctx.in_flight(id(self)):
+        asking = self.op is None and self._needs_approval()
+        async with self.ctx.in_flight(id(self), asking=asking):
+            if self.ctx.closing:
+                # Started while the run is being suspended for its parallel calls' approvals:
+                # nothing is sent now, but this call's request joins theirs.
+                with contextlib.suppress(ApprovalRejected):
+                    await self._approval()
+                raise Suspend  # decided already: the next execution goes on from there
             try:
                 return await self._until_settled()
             except ApprovalRejected as rejected:

@@ -30,10 +30,14 @@ See ``docs/integrations.md`` for what is guaranteed.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
+import itertools
 import json
 import typing
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -41,11 +45,13 @@ from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import AIMessage, BaseMessage, message_to_dict, messages_from_dict
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.runnables import Runnable, RunnableBinding, ensure_config
+from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tools import BaseTool, InjectedToolCallId, StructuredTool
+from langgraph.errors import GraphInterrupt
 from pydantic import ConfigDict, PrivateAttr
 
 import durably
-from durably import ConfigurationError, Durable, RetryPolicy, context
+from durably import ConfigurationError, Durable, RetryPolicy, context, waits
 from durably.integrations._common import jsonable, without_none
 from durably.model_calls import model_step_name
 
@@ -56,6 +62,11 @@ _CALL_ID_PARAMETER = "durably_tool_call_id"
 _CHECKPOINTER_KEY = "__pregel_checkpointer"
 """Where LangGraph puts a graph's checkpointer in the run's config (``CONFIG_KEY_CHECKPOINTER``,
 internal to LangGraph; the string is its documented wire value in every 1.x release)."""
+
+_SCRATCHPAD_KEY = "__pregel_scratchpad"
+_SEND_KEY = "__pregel_send"
+"""Where LangGraph keeps a task's interrupt counter and resume values, and its writer
+(``CONFIG_KEY_SCRATCHPAD``, ``CONFIG_KEY_SEND``; internal, like the checkpointer's key)."""
 
 _VOLATILE = ("id", "response_metadata", "usage_metadata")
 """Message fields that change on every execution of the same conversation: the ids LangChain
@@ -74,9 +85,10 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> StructuredTool:
     A call awaits ``tool.with_step_id(tool_call_id)(**arguments)`` with the model's tool call
     id (``InjectedToolCallId``), so it must come from a tool call (``ToolNode``, or
     ``tool.ainvoke(tool_call)``); the idempotency key derives from the id. The result
-    reaches the model as JSON text. LangGraph's ``interrupt()`` raised by the tool passes
-    through unchanged and the call is recorded as not sent. A ``durably.RunStopped`` is a
-    ``BaseException``: ``ToolNode``'s error handling does not catch it.
+    reaches the model as JSON text. LangGraph's ``interrupt()`` in the tool is a request
+    for a durably approval: see :func:`_answering_interrupts`. A ``durably.RunStopped`` is a
+    ``BaseException``: ``ToolNode``'s error handling does not catch it. A call whose id does
+    not come from a :class:`DurableChatModel` generation is refused.
     """
     name = tool.definition.name
 
@@ -88,7 +100,19 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> StructuredTool:
                 "model's tool call (ToolNode, or tool.ainvoke(tool_call))"
             )
         _refuse_checkpointer(name)
-        result = await tool.with_step_id(call_id)(*args, **kwargs)
+        if call_id not in _recorded_calls():
+            raise ConfigurationError(
+                f"{name}: tool call {call_id} does not come from a recorded model call, so a "
+                "recovery would ask the model again and get this call under a new id: a new "
+                "effect. Wrap the graph's chat model in DurableChatModel(app, model)"
+            )
+        try:
+            result = await _answering_interrupts(tool, call_id, args, kwargs)
+        except durably.ApprovalRejected as rejected:
+            on_rejected = getattr(tool.definition, "on_rejected", None)
+            if on_rejected is None:
+                raise
+            result = on_rejected(rejected)
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
     fn = tool.fn
@@ -143,6 +167,87 @@ def _task_step_id(step: str) -> str | None:
     prefix = f"{step}@{where}#".replace("|", "_")
     # Calls one task makes are numbered in the order it makes them, like positional ones.
     return f"{prefix}{1 + sum(s.startswith(prefix) for s in run.reached)}"
+
+
+async def _answering_interrupts(
+    tool: Durable[..., Any], call_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The tool's call, its ``interrupt()`` calls answered by durably approvals.
+
+    The n-th ``interrupt(value)`` of the call is an approval request at step id
+    ``<call id>/interrupt#<n>`` whose payload shows the tool, its arguments and ``value``
+    (the run waits in ``waiting_approval``; nothing was sent: the call is recorded as not
+    sent). Once a person decides, the run executes again and the tool is called again:
+    that ``interrupt()`` returns the decision (``{"approved": True, "by", "comment",
+    ...}``), a rejection raises ``ApprovalRejected`` (the tool's ``on_rejected=`` answers
+    the model instead, if set). Interrupts are matched by their order in the call, as
+    LangGraph matches resume values.
+    """
+    name = tool.definition.name
+    answers: list[Any] = []
+    while True:
+        step_id = f"{call_id}/interrupt#{len(answers) + 1}"
+        asked, payload = waits.requested(step_id)
+        if not asked:
+            break
+        answers.append(await waits.approval_at(step_id, name, payload))
+    try:
+        with _resuming(answers):
+            return await tool.with_step_id(call_id)(*args, **kwargs)
+    except GraphInterrupt as interrupted:
+        [first, *_] = interrupted.args[0]
+        payload = {
+            "tool": name,
+            "tool_call_id": call_id,
+            "arguments": jsonable(kwargs),
+            "interrupt": jsonable(first.value),
+        }
+        await waits.approval_at(step_id, name, payload)
+        raise AssertionError("unreachable: a new approval request suspends the run") from None
+
+
+@contextlib.contextmanager
+def _resuming(answers: list[Any]) -> Iterator[None]:
+    """Run the tool with ``answers`` as the resume values its ``interrupt()`` calls return:
+    its own interrupt count (not shared with the other calls ``ToolNode`` runs at once),
+    and no write of the resume values to the graph (there is no checkpoint to hold them)."""
+    config = ensure_config()
+    configurable = config.get("configurable") or {}
+    scratchpad = configurable.get(_SCRATCHPAD_KEY)
+    if scratchpad is None:  # not inside a graph: interrupt() cannot be called anyway
+        yield
+        return
+    counter = itertools.count()
+    own = dataclasses.replace(
+        scratchpad,
+        interrupt_counter=lambda: next(counter),
+        get_null_resume=lambda consume=False: None,
+        resume=list(answers),
+    )
+    child = {
+        **config,
+        "configurable": {**configurable, _SCRATCHPAD_KEY: own, _SEND_KEY: lambda writes: None},
+    }
+    token = var_child_runnable_config.set(child)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        var_child_runnable_config.reset(token)
+
+
+def _recorded_calls() -> set[str]:
+    """The tool call ids of the generations :class:`DurableChatModel` gave this execution
+    of the run (recorded, or replayed from the record)."""
+    ctx = context.active()
+    key = id(ctx)
+    found = _RECORDED_CALLS.get(key)
+    if found is None:
+        found = _RECORDED_CALLS[key] = set()
+        weakref.finalize(ctx, _RECORDED_CALLS.pop, key, None)
+    return found
+
+
+_RECORDED_CALLS: dict[int, set[str]] = {}
 
 
 def _refuse_checkpointer(what: str) -> None:
@@ -256,6 +361,8 @@ class DurableChatModel(BaseChatModel):
             **kwargs,
         )
         message = messages_from_dict([recorded["message"]])[0]
+        if isinstance(message, AIMessage):
+            _recorded_calls().update(i for i in (c["id"] for c in message.tool_calls) if i)
         return ChatResult(
             generations=[ChatGeneration(message=message)], llm_output=recorded.get("llm_output")
         )

@@ -290,7 +290,10 @@ class Transition:
     """The run starts waiting for events of this name: if one arrived meanwhile, it is due now."""
     plan_version: int | None = None
     """The run's new plan version (``durably.replan()``)."""
-    request_approval: ApprovalRequest | None = None
+    request_approvals: tuple[ApprovalRequest, ...] = ()
+    """New approval requests: the calls of the run that wait for a person together."""
+    more_steps: tuple[StepWrite, ...] = ()
+    """Step rows written with ``step`` (the other calls waiting for approval with it)."""
     use_approval: ApprovalUse | None = None
     """Raises ApprovalExpired (and nothing of the transition applies) if not usable."""
 

@@ -134,7 +134,8 @@ def _one_round(t: Transition) -> bool:
         and not t.release
         and t.use_approval is None
         and t.consume_signal is None
-        and t.request_approval is None
+        and not t.request_approvals
+        and not t.more_steps
         and t.plan_version is None
         and t.wake_on_signal is None
     )
@@ -215,16 +216,14 @@ def _following(
         # The run is about to wait for this event name: one that arrived meanwhile makes it
         # due at once (delivery and this commit serialise on the run's row).
         rest.append(("wake_on_signal", {"run_id": run_id, "name": t.wake_on_signal}))
-    if t.request_approval is not None:
-        r = t.request_approval
+    for r in t.request_approvals:
         if r.replaces is not None:
             rest.append(("supersede_approval", {"approval_id": r.replaces}))
         rest.append(("insert_approval", {**vars(r), "run_id": run_id}))
     first = last_sequence - len(t.events) + 1
     for offset, e in enumerate(t.events):
         rest.append(insert_event(run_id, first + offset, e.type, e.step_id, e.payload))
-    if t.step is not None:
-        s = t.step
+    for s in [*([] if t.step is None else [t.step]), *t.more_steps]:
         settled = last_sequence if s.settle else None
         rest.append(("upsert_step", {"run_id": run_id, **_step(s), "settled_sequence": settled}))
     if t.checkpoint is not None:
