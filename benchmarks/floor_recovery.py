@@ -38,6 +38,8 @@ from benchmarks.places import REPO_ROOT
 
 STEPS, BLOCK_AT = 10, 6
 HOLD_TIMEOUT_S = 180.0
+PROFILE_ENV = "DURABLY_FLOOR_PROFILE"
+"""When set, the recovering process runs under cProfile and writes its stats there."""
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,13 @@ def recover(url: str, runs: int, concurrency: int) -> None:
         await working
         await app.close_async()
 
-    asyncio.run(go())
+    profile_to = os.environ.get(PROFILE_ENV)
+    if profile_to:
+        import cProfile
+
+        cProfile.runctx("asyncio.run(go())", globals(), {"go": go}, profile_to)
+    else:
+        asyncio.run(go())
     cpu = os.times()
     print(cpu.user + cpu.system, flush=True)
 
