@@ -169,10 +169,14 @@ def recover(url: str, runs: int, concurrency: int) -> None:
         worker = app.worker(concurrency=concurrency)
         working = asyncio.create_task(worker.run_async())
         done = durably.RunStatus.COMPLETED
-        while len(await app.list_runs_async(status=done, limit=runs + 10)) < runs:
-            if working.done():
-                break
+        # Polled in the measured process: a cheap probe (is any run still running?) before
+        # the full count, which would decode every run 10 times a second (~12% of its CPU).
+        while not working.done():
             await asyncio.sleep(0.1)
+            if await app.list_runs_async(status=durably.RunStatus.RUNNING, limit=1):
+                continue
+            if len(await app.list_runs_async(status=done, limit=runs + 10)) >= runs:
+                break
         worker.stop()
         await working
         await app.close_async()
