@@ -18,6 +18,7 @@ claimable when its lease expires (``--lease-ttl``, default the worker's).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -75,10 +76,19 @@ def _read_log(log: Path) -> list[tuple[int, int, int]]:
 
 def _wait_blocked(app: durably.App, log: Path, runs: int, holder: subprocess.Popen[str]) -> None:
     deadline = time.monotonic() + HOLD_TIMEOUT_S
-    while len({i for i, k, _ in _read_log(log) if k == BLOCK_AT}) < runs:
-        if holder.poll() is not None or time.monotonic() > deadline:
-            raise CheckFailed("W3: the holding process did not get every run to step 6")
-        time.sleep(0.05)
+    blocked: set[str] = set()
+    with contextlib.ExitStack() as stack:
+        # Read as it grows (10,000 runs write 60,000 lines), not again from the start.
+        tail, partial = None, ""
+        while len(blocked) < runs:
+            if holder.poll() is not None or time.monotonic() > deadline:
+                raise CheckFailed("W3: the holding process did not get every run to step 6")
+            time.sleep(0.05)
+            if tail is None and log.exists():
+                tail = stack.enter_context(log.open())
+            text = partial + (tail.read() if tail is not None else "")
+            *lines, partial = text.split("\n")  # a line being written is kept for later
+            blocked.update(i for i, k, _ in (ln.split() for ln in lines) if int(k) == BLOCK_AT)
     running = app.list_runs(status=durably.RunStatus.RUNNING, limit=runs + 10)
     if len(running) != runs:
         raise CheckFailed(f"W3: {len(running)} runs running before the kill, expected {runs}")

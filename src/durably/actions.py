@@ -274,9 +274,7 @@ async def resume(engine: Engine, run_id: str) -> None:
         await unpause(engine, run_id, by="resume")
     elif record.status_reason == PauseReason.PERMISSION and waiting.get("step_id"):
         # Resuming after re-authorisation: the refused call is attempted again.
-        await resolve_effect(engine,
-            run_id, str(waiting["step_id"]), "not_executed", by="resume"
-        )
+        await resolve_effect(engine, run_id, str(waiting["step_id"]), "not_executed", by="resume")
     elif record.status is RunStatus.PAUSED:
         await store.commit(
             Expect(run_id, record.state_version),
@@ -322,9 +320,7 @@ async def send_event(
     payload_json = canonical_json(
         payload, what=f"the payload of event {name!r}", limit=engine.max_payload_bytes
     )
-    delivered = await store.deliver_signal(
-        run_id, event_id or uuid.uuid4().hex, name, payload_json
-    )
+    delivered = await store.deliver_signal(run_id, event_id or uuid.uuid4().hex, name, payload_json)
     return "delivered" if delivered else "duplicate ignored"
 
 

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("durably.worker")
 
+CLAIM_BATCH_MAX = 100
+"""Runs leased in one claim transaction at most: a bigger one holds SQLite's write lock
+(and PostgreSQL's row locks) longer than a commit, for little more saved."""
+
 
 class Worker:
     """Executes an app's runs: ``app.worker(concurrency=4).run()``.
@@ -267,7 +271,10 @@ class Worker:
                     # One turn of the loop first: the slots freed at the same moment join.
                     await asyncio.sleep(0)
                     self._claimed = await self.engine.store.claim_batch(
-                        self.worker_id, self.lease_ttl_s, workflows, self._idle
+                        self.worker_id,
+                        self.lease_ttl_s,
+                        workflows,
+                        min(self._idle, CLAIM_BATCH_MAX),
                     )
                     if self._claimed:
                         faults.crash_point("worker.after_claim")
