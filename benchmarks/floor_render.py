@@ -139,7 +139,7 @@ def render(figures: list[Figures], args: argparse.Namespace, elapsed: float) -> 
             )
         for rec in f.recoveries:
             lines.append(
-                f"{'':9}W3: lease TTL {rec.lease_ttl_s:g} s; runs recovered from "
+                f"{'':9}W3 ({rec.runs} runs): lease TTL {rec.lease_ttl_s:g} s; runs recovered from "
                 f"{rec.first_claim_s:.2f} to {rec.last_claim_s:.2f} s after launch, all "
                 f"completed at {rec.total_s:.2f} s; recovering process CPU {rec.cpu_s:.2f} s; "
                 f"the holder had all {rec.runs} in step 6 {rec.blocked_s:.1f} s after its launch"
