@@ -78,6 +78,9 @@ class Worker:
         self._claiming = asyncio.Lock()
         self._idle = 0
         self._claimed: list[Claim] = []
+        self._batches = 0
+        self._short_batch = -1
+        """The last claim transaction that got fewer runs than it asked for."""
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def stop(self) -> None:
@@ -264,18 +267,24 @@ class Worker:
         transaction; the others take the runs it got as soon as it lets go. A run is
         claimed only for a slot already waiting, so none sits leased with no one on it.
         """
+        waiting_since = self._batches
         self._idle += 1
         try:
             async with self._claiming:
                 if not self._claimed:
+                    # Stopping; or a batch taken while this slot waited, counting it, came
+                    # back short: nothing was left for it then (one empty claim, not one a slot).
+                    if self._stopping.is_set() or self._short_batch >= waiting_since:
+                        return None
                     # One turn of the loop first: the slots freed at the same moment join.
                     await asyncio.sleep(0)
+                    limit = min(self._idle, CLAIM_BATCH_MAX)
                     self._claimed = await self.engine.store.claim_batch(
-                        self.worker_id,
-                        self.lease_ttl_s,
-                        workflows,
-                        min(self._idle, CLAIM_BATCH_MAX),
+                        self.worker_id, self.lease_ttl_s, workflows, limit
                     )
+                    if len(self._claimed) < limit:
+                        self._short_batch = self._batches
+                    self._batches += 1
                     if self._claimed:
                         faults.crash_point("worker.after_claim")
                 return self._claimed.pop(0) if self._claimed else None
