@@ -90,6 +90,22 @@ APP_SOURCE = textwrap.dedent(
         return {"sent_to": audience, "by": decision["by"]}
 
 
+    @app.model("scripted-mini", profile="v1")
+    def answer(question: str) -> dict:
+        return {
+            "text": "refund it",
+            "tool_calls": [{"id": "call_1", "name": "notify"}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 4},
+        }
+
+
+    @app.workflow()
+    async def asking(question: str) -> dict:
+        reply = await answer(question)
+        [call] = reply["tool_calls"]
+        return await notify.with_step_id(call["id"])(to="lead@example.com", total=1)
+
+
     not_an_app = 42
     """
 )
@@ -224,6 +240,21 @@ def test_runs_show_json_is_the_run_document(project: Path) -> None:
         effect["idempotency_key"][:12],
         "-",
     ]
+
+
+def test_runs_show_lists_model_calls(project: Path) -> None:
+    ok("start", "asking", "--input", '{"question": "refund?"}', "--run-id", "m-1")
+    ok("worker", "--until-idle")
+    doc = ok_json("runs", "show", "m-1")
+    [call] = doc["model_calls"]
+    assert call["usage"] == {"input_tokens": 12, "output_tokens": 4, "total_tokens": 16}
+    assert [e["model_call_id"] for e in doc["effects"]] == [call["model_call_id"]]
+
+    text = ok("runs", "show", "m-1")
+    rows = [line.split() for line in text.split("model calls:")[1].splitlines() if line]
+    assert rows[0][:4] == ["STEP", "MODEL", "PROFILE", "TOKENS"]
+    assert rows[1][:4] == ["answer#1", "scripted-mini", "v1", "12/4"]
+    assert rows[1][-1] == "call_1"
 
 
 def test_unknown_effect_is_resolved_then_resumed_to_completion(project: Path) -> None:

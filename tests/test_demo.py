@@ -66,10 +66,11 @@ def test_sales_report_completes_in_process(shop: ShopService) -> None:
     assert shop.effects()["emails"][0]["request"]["to"] == "lead-emea@example.com"
 
     doc = agent.app.describe(run.run_id)
-    draft = next(s for s in doc["steps"] if s["name"] == "draft_report")["output"]
+    [draft] = doc["model_calls"]
     assert draft["model_call_id"].startswith("mc_")
-    assert draft["model_profile"] == agent.MODEL_PROFILE
-    assert len(draft["input_hash"]) == 64
+    assert (draft["model"], draft["model_profile"]) == (agent.DRAFT_MODEL, agent.MODEL_PROFILE)
+    assert draft["input"]["region"] == "EMEA"
+    assert draft["usage"]["total_tokens"] == draft["output"]["tokens"] > 0
     external = {e["tool"]: e["external_operation_id"] for e in doc["effects"]}
     assert external == {"create_order": "ord_1", "issue_coupon": "cpn_1", "send_email": "msg_1"}
 

@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "durably.checkpoint": 1,
     "durably.ledger": 1,
     "durably.definitions": 1,
+    "durably.model_calls": 1,
     "durably.reconcile": 1,
     "durably.redaction": 1,
     "durably.registry": 1,

@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from durably.errors import ApprovalRejected, ConfigurationError
+from durably.model_calls import ModelSpec
 from durably.reconcile import Operation, Reconciliation
 from durably.status import FailureCategory
 from durably.values import storable_text
@@ -95,6 +96,8 @@ class StepDef:
     canonical: Callable[..., Any] | None = None
     """Called with the step's arguments; its JSON value is hashed instead of them (to
     leave out what changes on every execution: generated ids, timestamps)."""
+    model: ModelSpec | None = None
+    """Set for a step that asks a model: its calls are recorded as model calls."""
 
 
 CONTROL_FLOW = frozenset(

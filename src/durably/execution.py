@@ -294,6 +294,23 @@ class RunContext(CallIdentity):
         if pending:
             await asyncio.wait([asyncio.shield(f) for f in pending])
 
+    async def after_recovered_calls(self) -> None:
+        """A new tool call of a ``reconciling`` run waits while a call the run found
+        unsettled on recovery, which another branch has reached, is still being settled:
+        the run makes no new effect until it is ``running`` again. A recovered call not
+        reached yet is not waited for: the branch that reaches it may wait on this one."""
+        while self.unsettled and not self.closing:
+            reached = [
+                op for key, op in self.operations.items()
+                if key in self.unsettled and op.step_id in self.reached
+            ]  # fmt: skip
+            pending = list(self.inflight.values())
+            if not reached or not pending:
+                break
+            await asyncio.wait([asyncio.shield(f) for f in pending], return_when="FIRST_COMPLETED")
+        if self.closing:
+            raise Suspend
+
     @contextlib.asynccontextmanager
     async def in_flight(self, call: int) -> AsyncIterator[None]:
         """A tool call between its start and its recorded outcome: the run is released only

@@ -136,6 +136,7 @@ async def fork(
                     idempotency_key=key,
                     attempts=step.attempts,
                     settle=True,
+                    model_call=step.model_call,
                 ),
                 operation=write,
                 checkpoint=state.draft(status=RunStatus.QUEUED.value, current_step=step.step_id),

@@ -23,6 +23,7 @@ from durably.definitions import (
 )
 from durably.effect import Effect
 from durably.errors import ApprovalRejected, ConfigurationError
+from durably.model_calls import ModelSpec, ToolCallReader, UsageReader, model_step_name
 from durably.reconcile import Operation
 from durably.registry import Registry
 from durably.values import check_text
@@ -198,12 +199,128 @@ class Registration:
 
             reply = await app.call_step("llm", model.complete, prompt, step_id=turn_id)
         """
+        return self._call_step(name, fn, args, kwargs, step_id, canonical, retry, None)
+
+    @overload
+    def call_model(
+        self,
+        model: str,
+        fn: Callable[..., Coroutine[Any, Any, R]],
+        /,
+        *args: Any,
+        profile: str | None = None,
+        usage: UsageReader | None = None,
+        tool_calls: ToolCallReader | None = None,
+        step_id: str | None = None,
+        canonical: Callable[..., Any] | None = None,
+        retry: RetryPolicy | None = None,
+        **kwargs: Any,
+    ) -> Coroutine[Any, Any, R]: ...
+    @overload
+    def call_model(
+        self,
+        model: str,
+        fn: Callable[..., R],
+        /,
+        *args: Any,
+        profile: str | None = None,
+        usage: UsageReader | None = None,
+        tool_calls: ToolCallReader | None = None,
+        step_id: str | None = None,
+        canonical: Callable[..., Any] | None = None,
+        retry: RetryPolicy | None = None,
+        **kwargs: Any,
+    ) -> Coroutine[Any, Any, R]: ...
+    def call_model(
+        self,
+        model: str,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        profile: str | None = None,
+        usage: UsageReader | None = None,
+        tool_calls: ToolCallReader | None = None,
+        step_id: str | None = None,
+        canonical: Callable[..., Any] | None = None,
+        retry: RetryPolicy | None = None,
+        **kwargs: Any,
+    ) -> Coroutine[Any, Any, Any]:
+        """Record one call of ``fn`` asking ``model`` as a model call, inside a workflow.
+
+        A step named ``model:<model>`` (see :meth:`call_step`) whose record also keeps a
+        ``model_call_id``, the model and ``profile``, its input, token usage, latency and
+        the tool call ids of its answer; the usage is charged to the run's budget, on the
+        first execution and on every replay alike. ``usage`` and ``tool_calls`` read those
+        off the answer (JSON) when the defaults do not find them (see :meth:`model`).
+
+        Example::
+
+            answer = await app.call_model("gpt-5", client.respond, messages, step_id=turn_id)
+        """
+        spec = ModelSpec(model, profile, usage, tool_calls)
+        name = model_step_name(model)
+        return self._call_step(name, fn, args, kwargs, step_id, canonical, retry, spec)
+
+    def _call_step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        step_id: str | None,
+        canonical: Callable[..., Any] | None,
+        retry: RetryPolicy | None,
+        model: ModelSpec | None,
+    ) -> Coroutine[Any, Any, Any]:
         tool = self._registry.tool_def(name, missing_ok=True)
         check_name("step", name, {name: tool} if tool else {})
         if step_id is not None:
             check_step_id(step_id)
-        definition = StepDef(name, fn, "1", retry or RetryPolicy(), signature_of(fn), canonical)
+        retry = retry or RetryPolicy()
+        definition = StepDef(name, fn, "1", retry, signature_of(fn), canonical, model)
         return runtime.call_step(context.active(), definition, args, kwargs, step_id)
+
+    def model(
+        self,
+        model: str,
+        *,
+        name: str | None = None,
+        profile: str | None = None,
+        usage: UsageReader | None = None,
+        tool_calls: ToolCallReader | None = None,
+        version: str = "1",
+        retry: RetryPolicy | None = None,
+        canonical: Callable[..., Any] | None = None,
+    ) -> Register:
+        """Register a step that asks ``model``: every call is recorded as a model call.
+
+        Like :meth:`step` (run once, its answer replayed), and its record also keeps a
+        ``model_call_id``, ``model`` and ``profile`` (a prompt or settings version), the
+        input its hash covers, token usage, latency and the ids of the tool calls its
+        answer asks for; ``runs show``, the API and the console show them. The usage is
+        charged to the run's budget (``total_tokens``, and ``cost`` if the answer has one).
+
+        By default usage is read from the answer's ``usage`` or ``usage_metadata`` mapping
+        (``input_tokens``/``prompt_tokens``, ``output_tokens``/``completion_tokens``,
+        ``total_tokens``, ``cost``); ``usage=`` reads it from the answer (JSON) otherwise.
+
+        Example::
+
+            @app.model("gpt-5", profile="support-v3")
+            async def answer(messages: list[dict]) -> dict:
+                return (await client.chat(messages)).model_dump(mode="json")
+        """
+        spec = ModelSpec(model, profile, usage, tool_calls)
+
+        def register(fn: Callable[P, Any]) -> Durable[P, Any]:
+            step_name = name or fn.__name__
+            signature = inspect.signature(fn)
+            retry_policy = retry or RetryPolicy()
+            d = StepDef(step_name, fn, version, retry_policy, signature, canonical, spec)
+            self._registry.add_step(d)
+            return Durable(d, fn)
+
+        return cast(Register, register)
 
     def tool(
         self,

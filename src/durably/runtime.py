@@ -15,7 +15,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from durably import context, faults
+from durably import context, faults, model_calls
 from durably.definitions import StepDef, bind_arguments, invoke
 from durably.effect import compensate
 from durably.errors import (
@@ -80,7 +80,7 @@ def call_step(
         arguments = bind_arguments(sdef.signature, sdef.name, args, kwargs)
     ih = input_hash(sdef.name, sdef.version, arguments)
     ctx.replayed(step_id, position, "step", sdef.name, ih)
-    call = StepCall(ctx, sdef, step_id, position, ih)
+    call = StepCall(ctx, sdef, step_id, position, ih, arguments)
     return ctx.created(step_id, sdef.name, call.settle(args, kwargs))
 
 
@@ -93,13 +93,17 @@ class StepCall:
     step_id: str
     position: int
     input_hash: str
+    arguments: dict[str, Any]
+    """What the input hash covers: a model call's record keeps it as its input."""
 
     async def settle(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ctx = self.ctx
         ctx.started(self.step_id)
         recorded = ctx.steps.get(self.step_id)
         if recorded is not None and recorded.status is StepStatus.SUCCEEDED:
-            return json.loads(recorded.output_json or "null")
+            value = json.loads(recorded.output_json or "null")
+            await self._charge(recorded.model_call)
+            return value
         if recorded is not None and recorded.status is StepStatus.FAILED:
             raise _step_failed(ctx, self.step_id, recorded.error or {})
         await ctx.boundary()
@@ -113,6 +117,7 @@ class StepCall:
             # In flight from its start to its record: a parallel branch that releases the run
             # waits for it, rather than let a finished step (a paid model call) run again.
             async with ctx.in_flight(id(self)):
+                started = time.monotonic()
                 try:
                     value = await invoke(self.sdef.fn, *args, **kwargs)
                 except Exception as exc:
@@ -120,9 +125,11 @@ class StepCall:
                         await self._record_failure(attempt, exc)
                     log.info("step %s attempt %d failed (%r); retrying", self.step_id, attempt, exc)
                 else:
-                    await self._record(attempt, value)
-                    return value
+                    model_call = await self._record(attempt, value, time.monotonic() - started)
+                    break
             await asyncio.sleep(self.sdef.retry.delay_s(attempt))
+        await self._charge(model_call)
+        return value
 
     def _write(self, status: StepStatus, attempt: int, **changes: Any) -> StepWrite:
         return StepWrite(
@@ -136,23 +143,34 @@ class StepCall:
             **changes,
         )
 
-    async def _record(self, attempt: int, value: Any) -> None:
+    async def _record(self, attempt: int, value: Any, latency_s: float) -> dict[str, Any] | None:
+        """Record the result (a model call's with its record, which this returns)."""
         ctx = self.ctx
-        output_json = canonical_json(
-            value, what=f"the result of step {self.step_id}", limit=ctx.engine.max_payload_bytes
-        )
+        limit = ctx.engine.max_payload_bytes
+        output_json = canonical_json(value, what=f"the result of step {self.step_id}", limit=limit)
         output_hash = sha256_hex(output_json)
+        payload = {"name": self.sdef.name, "output_hash": output_hash}
+        model_call = None
+        if self.sdef.model is not None:
+            model_call = model_calls.record(
+                self.sdef.model,
+                run_id=ctx.run.run_id,
+                step_id=self.step_id,
+                arguments=self.arguments,
+                answer=json.loads(output_json),
+                latency_s=latency_s,
+                limit=limit,
+            )
+            payload["model_call_id"] = model_call["model_call_id"]
         await ctx.commit(
             lambda: Transition(
-                events=[
-                    EventWrite(
-                        "step_succeeded",
-                        self.step_id,
-                        {"name": self.sdef.name, "output_hash": output_hash},
-                    )
-                ],
+                events=[EventWrite("step_succeeded", self.step_id, payload)],
                 step=self._write(
-                    StepStatus.SUCCEEDED, attempt, output_json=output_json, settle=True
+                    StepStatus.SUCCEEDED,
+                    attempt,
+                    output_json=output_json,
+                    settle=True,
+                    model_call=model_call,
                 ),
                 checkpoint=ctx.journal.periodic(current_step=self.step_id),
             ),
@@ -161,6 +179,17 @@ class StepCall:
         # Result, event and any checkpoint are one transaction: checkpoint.after_write (fired
         # by the commit when it held one) and this window are the same moment.
         faults.crash_point("step.after_record")
+        return model_call
+
+    async def _charge(self, model_call: dict[str, Any] | None) -> None:
+        """Charge a model call's recorded usage to the run's budget (first execution and
+        replay alike), pausing the run here if that puts it over."""
+        if model_call is None:
+            return
+        tokens, cost = model_calls.charges(model_call)
+        self.ctx.count("tokens", tokens)
+        self.ctx.count("cost", cost)
+        await self.ctx.check_budget()
 
     async def _record_failure(self, attempt: int, exc: Exception) -> NoReturn:
         error = error_dict(exc)

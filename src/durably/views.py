@@ -56,6 +56,9 @@ def describe(journal: Journal) -> dict[str, Any]:
     """Everything about a run as plain JSON: the document behind ``runs show --json``."""
     run = Run.from_record(journal.run)
     ops = {o.step_id: o for o in journal.operations}
+    calls = model_calls(journal)
+    # The model call whose answer asked for the tool call that an effect's step id names.
+    asked_by = {i: c["model_call_id"] for c in calls for i in c["tool_call_ids"]}
     return {
         "run_id": run.run_id,
         "workflow": run.workflow,
@@ -95,9 +98,11 @@ def describe(journal: Journal) -> dict[str, Any]:
                 "failure_category": o.failure_category,
                 "result": None if o.result_json is None else _loads(o.result_json),
                 "error": o.error,
+                "model_call_id": asked_by.get(o.step_id),
             }
             for o in sorted(ops.values(), key=lambda o: o.created_at)
         ],
+        "model_calls": calls,
         "approvals": [
             {
                 "approval_id": a.approval_id,
@@ -118,6 +123,22 @@ def describe(journal: Journal) -> dict[str, Any]:
         ],
         "last_event_sequence": journal.run.last_sequence,
     }
+
+
+def model_calls(journal: Journal) -> list[dict[str, Any]]:
+    """The run's recorded model calls in call order, each with its answer."""
+    return [
+        {
+            **s.model_call,
+            "step_id": s.step_id,
+            "name": s.name,
+            "input_hash": s.input_hash,
+            "attempts": s.attempts,
+            "output": None if s.output_json is None else _loads(s.output_json),
+        }
+        for s in journal.steps
+        if s.model_call is not None
+    ]
 
 
 def checkpoints(stored: list[StoredCheckpoint], key: bytes | None) -> list[dict[str, Any]]:

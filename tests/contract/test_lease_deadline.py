@@ -343,3 +343,51 @@ def test_a_recovered_run_reconciles_before_it_makes_a_new_call(make_app: MakeApp
     assert [t for t in types if t in order][-len(order) :] == order
     reconciling = next(c for c in app.checkpoints(first.run_id) if c["status"] == "reconciling")
     assert reconciling["pending_action"]["step_id"] == "send#1"
+
+
+def test_a_new_call_waits_for_the_recovered_call_another_branch_is_settling(
+    make_app: MakeApp,
+) -> None:
+    """Parallel branches: the holder died between the claim of one branch's call and its
+    send. On recovery that call is re-sent (slowly); the other branch's new call waits until
+    it is settled and the run ``running`` again, instead of being sent while the run is
+    still reconciling."""
+    app = make_app(lease_ttl=LEASE)
+    thaw = {"frozen": False}
+    sent: list[str] = []
+
+    async def slow_authorisation(op: durably.Operation) -> bool:
+        if not thaw["frozen"]:
+            thaw["frozen"] = True
+            frozen(LEASE.total_seconds() * 2.5)  # dies between its claim and its send
+        return True
+
+    @app.tool(idempotent=True, authorize=slow_authorisation)
+    async def refund() -> str:
+        await asyncio.sleep(0.3)
+        sent.append("refund")
+        return "refunded"
+
+    @app.tool(idempotent=True)
+    def notify() -> str:
+        sent.append("notify")
+        return "notified"
+
+    async def later() -> str:
+        await asyncio.sleep(0.05)
+        return await notify()
+
+    @app.workflow()
+    async def wf() -> list[str]:
+        return list(await asyncio.gather(refund.with_step_id("r")(), later()))
+
+    first = app.run(wf)
+    assert first.status is not RunStatus.COMPLETED
+    assert sent == []
+    done = finish_elsewhere(app, first.run_id)
+    assert done.result == ["refunded", "notified"]
+    assert sent == ["refund", "notify"]
+    events = [(e.type, e.step_id) for e in app.events(first.run_id)]
+    assert events.index(("run_reconciled", None)) < events.index(
+        ("effect_intent_recorded", "notify#1")
+    )

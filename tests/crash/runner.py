@@ -18,27 +18,10 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from typing import Any
 
 from tests.crash.crashapp import app
-
-LEASE_WAIT_S = 15.0
-
-
-async def wait_for_lease(run_id: str) -> None:
-    """Return once nobody holds a live lease on the run."""
-    store = await app.open()
-    deadline = time.monotonic() + LEASE_WAIT_S
-    while True:
-        run = await store.get_run(run_id)
-        if run is None or run.lease_owner is None or run.lease_until is None:
-            return
-        if run.lease_until < await store.now():
-            return
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the lease on {run_id} did not expire within {LEASE_WAIT_S} s")
-        await asyncio.sleep(0.02)
+from tests.leases import wait_for_lease
 
 
 async def main(argv: list[str]) -> dict[str, Any]:
@@ -47,7 +30,7 @@ async def main(argv: list[str]) -> dict[str, Any]:
         if mode == "start":
             run = await app.run_async(argv[2], run_id=run_id, **json.loads(argv[3]))
         elif mode == "recover":
-            await wait_for_lease(run_id)
+            await wait_for_lease(app, run_id)
             run = await app.run_async(argv[2], run_id=run_id, **json.loads(argv[3]))
         elif mode == "execute":
             run = await app.execute_async(run_id)

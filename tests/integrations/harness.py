@@ -64,6 +64,18 @@ def model_steps(db: str, run_id: str) -> list[sqlite3.Row]:
     return [s for s in steps(db, run_id) if s["name"].startswith("model:")]
 
 
+def assert_model_calls(app: durably.App, run_id: str, turns: int) -> None:
+    """Every turn is one model call record of the scripted model, with its usage, and each
+    effect names the model call whose answer asked for it."""
+    doc = app.describe(run_id)
+    calls = doc["model_calls"]
+    assert [c["model"] for c in calls] == ["scripted-1"] * turns
+    assert all(c["usage"]["total_tokens"] > 0 and c["input"] is not None for c in calls)
+    asked = {i: c["model_call_id"] for c in calls for i in c["tool_call_ids"]}
+    assert doc["effects"]
+    assert all(e["model_call_id"] == asked[e["step_id"]] for e in doc["effects"])
+
+
 def turns_recorded(db: str, run_id: str) -> int:
     return sum(s["status"] == "succeeded" for s in model_steps(db, run_id))
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import durably
 from durably.demo.shop import ShopService, get_json, post_json
+from tests.leases import wait_for_lease
 
 CALLS = 3
 TURNS = {"sequential": CALLS + 1, "parallel": 2}
@@ -58,7 +59,6 @@ KINDS = {
 LEASE_TTL_S = 1.0
 """Short, so a recovery waits little for the dead process's lease; long enough for a
 heartbeat on a busy machine running several of these at once."""
-LEASE_WAIT_S = 15.0
 MODEL_CALLS: Counter[str] = Counter()
 """Model calls this process made, by run id (the scripted models count themselves here)."""
 
@@ -155,21 +155,6 @@ def next_calls(plan: dict[str, Any], outputs: list[str]) -> list[dict[str, Any]]
 
 def final_answer(outputs: list[str]) -> str:
     return "done: " + " | ".join(outputs)
-
-
-async def wait_for_lease(app: durably.App, run_id: str) -> None:
-    """Return once nobody holds a live lease on the run (judged by the store's clock)."""
-    store = await app.open()
-    deadline = time.monotonic() + LEASE_WAIT_S
-    while True:
-        run = await store.get_run(run_id)
-        if run is None or run.lease_owner is None or run.lease_until is None:
-            return
-        if run.lease_until < await store.now():
-            return
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the lease on {run_id} did not expire within {LEASE_WAIT_S} s")
-        await asyncio.sleep(0.02)
 
 
 async def execute(app: durably.App, argv: list[str]) -> dict[str, Any]:

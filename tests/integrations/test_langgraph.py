@@ -112,13 +112,17 @@ def test_the_graph_records_turns_and_calls_tools_by_call_id(
     for found in at_shop.values():
         assert found[0]["id"] in run.result["answer"]
     turns = model_steps(db, run.run_id)
-    assert [s["step_id"] for s in turns] == [f"model:scripted-1#{n + 1}" for n in range(len(turns))]
+    # The agent node runs at super-steps 1, 3, 5, ...: each generation is its task's first.
+    assert [s["step_id"] for s in turns] == [
+        f"model:scripted-1@{2 * n + 1}/agent/agent#1" for n in range(len(turns))
+    ]
     assert len(turns) == TURNS[mode]
     call_ids = recorded_call_ids(db, run.run_id)
     effects = app.describe(run.run_id)["effects"]
     assert sorted(e["step_id"] for e in effects) == sorted(call_ids)
     assert len({e["idempotency_key"] for e in effects}) == CALLS
     assert all(e["status"] == "succeeded" for e in effects)
+    harness.assert_model_calls(app, run.run_id, TURNS[mode])
 
     again = app.run(workflow, **plan(customer, mode), run_id=run.run_id)
     assert again.status is RunStatus.COMPLETED

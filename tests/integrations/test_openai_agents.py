@@ -118,6 +118,7 @@ def test_the_sdk_loop_records_turns_and_calls_tools_by_call_id(
     assert sorted(e["step_id"] for e in effects) == sorted(call_ids)
     assert len({e["idempotency_key"] for e in effects}) == CALLS
     assert all(e["status"] == "succeeded" for e in effects)
+    harness.assert_model_calls(app, run.run_id, TURNS[mode])
 
 
 def test_parallel_calls_replay_in_another_order(app: durably.App, shop: ShopService) -> None:

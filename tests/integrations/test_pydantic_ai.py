@@ -114,6 +114,7 @@ def test_the_agent_loop_records_requests_and_calls_tools_by_call_id(
     assert sorted(e["step_id"] for e in effects) == sorted(call_ids)
     assert len({e["idempotency_key"] for e in effects}) == CALLS
     assert all(e["status"] == "succeeded" for e in effects)
+    harness.assert_model_calls(app, run.run_id, TURNS[mode])
 
 
 # -- a crash at every point, recovered in a fresh process ----------------------------------------

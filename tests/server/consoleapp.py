@@ -25,6 +25,14 @@ def build_app(url: str) -> durably.App:
     def place_order(customer: str) -> dict[str, Any]:
         return {"customer": customer}
 
+    @app.model("scripted-mini", profile="v1")
+    def answer(question: str) -> dict[str, Any]:
+        return {"text": question.upper(), "usage": {"input_tokens": 3, "output_tokens": 2}}
+
+    @app.workflow()
+    async def asking(question: str) -> Any:
+        return await answer(question)
+
     @app.workflow()
     async def summing(a: int, b: int = 0) -> int:
         return await add(a, b)

@@ -132,6 +132,26 @@ def test_start_then_list_and_show(h: Harness) -> None:
     assert h.client.get("/api/runs", params={"status": "bogus"}).status_code == 422
 
 
+def test_a_run_shows_its_model_calls(h: Harness) -> None:
+    rid = h.waiting("asking", "why?", run_id="ask-1")
+    doc = h.client.get(f"/api/runs/{rid}").json()
+    assert doc["status"] == "completed"
+    [call] = doc["model_calls"]
+    assert call["model_call_id"].startswith("mc_")
+    assert (call["step_id"], call["model"], call["model_profile"]) == (
+        "answer#1",
+        "scripted-mini",
+        "v1",
+    )
+    assert call["input"] == {"question": "why?"}
+    assert call["output"] == {"text": "WHY?", "usage": {"input_tokens": 3, "output_tokens": 2}}
+    assert call["usage"] == {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}
+    assert call["tool_call_ids"] == []
+    assert [e["payload"].get("model_call_id") for e in doc["events"] if e["step_id"]] == [
+        call["model_call_id"]
+    ]
+
+
 def test_start_errors(h: Harness) -> None:
     def start(body: dict[str, Any]) -> tuple[int, Any]:
         r = h.client.post("/api/runs", json=body, headers=AUTH)

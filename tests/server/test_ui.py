@@ -50,6 +50,24 @@ def build_app(url: str, calls: dict[str, int]) -> durably.App:
             raise TimeoutError("payment gateway did not answer")
         return {"charge_id": f"ch-{customer}"}
 
+    @app.model("scripted-4o", profile="triage-v2")
+    def triage(messages: list[dict[str, str]]) -> dict[str, Any]:
+        return {
+            "text": "I will refund it.",
+            "tool_calls": [{"id": "call_7", "name": "refund", "args": {"order": "o-7"}}],
+            "usage": {"input_tokens": 42, "output_tokens": 9},
+        }
+
+    @app.tool(idempotent=True)
+    def refund(order: str) -> dict[str, Any]:
+        return {"refund_id": f"rf-{order}"}
+
+    @app.workflow(version="1")
+    async def support(question: str) -> Any:
+        answer = await triage([{"role": "user", "content": question}])
+        [call] = answer["tool_calls"]
+        return await refund.with_step_id(call["id"])(**call["args"])
+
     @app.workflow(version="1")
     async def mail_report(to: str) -> dict[str, Any]:
         sent: dict[str, Any] = await send_email(to=to, subject="Q3 sales", body="EMEA up 12%")
@@ -235,6 +253,30 @@ def test_fork_a_finished_run_from_its_page(console: Console, page: Page) -> None
     page.locator("form.fork-form input[name=at]").fill("nope#1")
     page.get_by_role("button", name="Fork run").click()
     expect(page.locator("form.fork-form .form-error")).to_contain_text("no settled step")
+
+
+def test_a_model_call_shows_its_prompt_answer_and_the_effect_it_asked_for(
+    console: Console, page: Page
+) -> None:
+    question = "refund o-7 <script>window.owned = 1</script>"
+    run = console.app.run("support", question=question)
+    assert run.status == durably.RunStatus.COMPLETED
+
+    page.goto(f"{console.url}/runs/{run.run_id}")
+    calls = page.locator("table.model-calls")
+    expect(calls).to_contain_text("scripted-4o")
+    expect(calls).to_contain_text("triage-v2")
+    expect(calls).to_contain_text("42 / 9")
+    expect(calls).to_contain_text("call_7")
+    calls.locator("summary").click()
+    # The prompt is shown as text, never obeyed.
+    expect(calls.locator(".model-input")).to_contain_text(question)
+    assert page.evaluate("window.owned") is None
+    expect(calls.locator(".model-output")).to_contain_text("I will refund it.")
+    link = page.locator("table.effects a", has_text="asked by")
+    link.click()
+    model_call_id = console.app.describe(run.run_id)["model_calls"][0]["model_call_id"]
+    assert page.url.endswith("#" + model_call_id)
 
 
 def test_api_errors_are_shown_inline(console: Console, page: Page) -> None:

@@ -130,6 +130,21 @@ def show_run(config: Config, run_id: str, as_json: bool) -> None:
         for e in doc["effects"]
     ]
     table(["STEP", "TOOL", "STATUS", "KEY", "EXTERNAL ID"], effects)
+    if doc["model_calls"]:
+        echo()
+        echo("model calls:")
+        calls = [
+            [
+                c["step_id"],
+                c["model"],
+                c["model_profile"],
+                _tokens(c["usage"]),
+                f"{c['latency_ms']:.0f} ms",
+                ", ".join(c["tool_call_ids"]),
+            ]
+            for c in doc["model_calls"]
+        ]
+        table(["STEP", "MODEL", "PROFILE", "TOKENS IN/OUT", "LATENCY", "TOOL CALLS"], calls)
     echo()
     echo("approvals:")
     # How long is left matters only while the approval can still be decided or used.
@@ -145,3 +160,9 @@ def show_run(config: Config, run_id: str, as_json: bool) -> None:
         for a in doc["approvals"]
     ]
     table(["APPROVAL", "STEP", "STATUS", "EXPIRES", "DECIDED BY"], approvals)
+
+
+def _tokens(usage: dict[str, float]) -> str:
+    if not usage:
+        return ""
+    return f"{usage.get('input_tokens', 0):g}/{usage.get('output_tokens', 0):g}"

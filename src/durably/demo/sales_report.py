@@ -33,11 +33,8 @@ Run it against a shop::
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import urllib.parse
-import uuid
 from typing import Any
 
 import durably
@@ -48,6 +45,7 @@ app = durably.App(os.environ.get("DURABLY_DATABASE_URL", "sqlite:///sales_report
 TOOL_TIMEOUT_S = 2.0
 """Short on purpose: a slow answer becomes an unknown outcome that durably settles safely."""
 
+DRAFT_MODEL = "shop-draft-1"
 MODEL_PROFILE = "report-writer/shop-draft-1/temperature-0"
 """The model configuration a recorded model call was made with."""
 
@@ -86,25 +84,16 @@ def fetch_sales(region: str) -> dict[str, Any]:
     return get_json(f"{shop_url()}/sales?{query}", timeout=TOOL_TIMEOUT_S)
 
 
-@app.step()
+@app.model(
+    DRAFT_MODEL, profile=MODEL_PROFILE, usage=lambda answer: {"total_tokens": answer["tokens"]}
+)
 def draft_report(region: str, figures: dict[str, Any]) -> dict[str, Any]:
-    """A model call. Its output keeps what is needed to audit it later: which call, which
-    profile, on exactly which input — so a recovered run reuses this draft instead of paying
-    for (and maybe getting) a different one."""
+    """A model call, recorded as one: its model_call_id, model, profile, the exact input,
+    the answer, its tokens (charged to the budget) and its latency, so a recovered run
+    reuses this draft instead of paying for (and maybe getting) a different one."""
     prompt = f"Write a short quarterly sales report for {region} from these figures."
     request = {"prompt": prompt, "figures": figures}
-    canonical = json.dumps(
-        {"profile": MODEL_PROFILE, **request}, sort_keys=True, separators=(",", ":")
-    )
-    answer = post_json(f"{shop_url()}/model/draft", request, timeout=TOOL_TIMEOUT_S)
-    return {
-        "model_call_id": f"mc_{uuid.uuid4().hex}",
-        "model_profile": MODEL_PROFILE,
-        "model": answer["model"],
-        "input_hash": hashlib.sha256(canonical.encode()).hexdigest(),
-        "text": answer["text"],
-        "tokens": answer["tokens"],
-    }
+    return post_json(f"{shop_url()}/model/draft", request, timeout=TOOL_TIMEOUT_S)
 
 
 # -- tools: effects at the shop -----------------------------------------------------------
@@ -186,7 +175,6 @@ async def sales_report(region: str) -> dict[str, Any]:
     return {
         "region": region,
         "quarter": figures["quarter"],
-        "model_call_id": draft["model_call_id"],
         "order_id": order["order_id"],
         "coupon_id": coupon["coupon_id"],
         "coupon_code": coupon["code"],

@@ -48,10 +48,20 @@ class Effect(Replaying, Reconciling, Approving, Recording):
     async def settle(self) -> Any:
         self.ctx.started(self.step_id)
         if self.op is None:
+            await self.ctx.after_recovered_calls()
             # Only a brand-new call stops for a cancel, a shutdown or the budget: an effect
             # already under way is settled first (reconciled if need be), never abandoned.
             await self.ctx.boundary()
             await self.ctx.check_budget()
+        # Frameworks and task groups cancel a turn's other calls once one fails. Cut between
+        # its intent and its record, this call would be left executing and its run running
+        # with nothing recorded: it goes on to its recorded end in a task of its own, which
+        # the run's release waits for (in_flight), while its caller gets the cancellation.
+        landing = asyncio.ensure_future(self._landed())
+        landing.add_done_callback(_retrieved)
+        return await asyncio.shield(landing)
+
+    async def _landed(self) -> Any:
         async with self.ctx.in_flight(id(self)):
             try:
                 return await self._until_settled()
@@ -216,3 +226,9 @@ def _view(op: OperationRecord) -> OperationView:
         lease_epoch=op.lease_epoch,
         lease_until=op.lease_until,
     )
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Its outcome is in the journal if nobody awaits it any more: no warning about it."""
+    if not task.cancelled():
+        task.exception()

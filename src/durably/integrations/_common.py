@@ -3,30 +3,12 @@ and a framework object as plain JSON for an input hash."""
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import typing
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import pydantic_core
-
-T = TypeVar("T")
-
-
-async def uncancelled(call: Awaitable[T]) -> T:
-    """``call`` carried to its recorded end although the framework cancels the tool call.
-
-    The OpenAI Agents SDK and Pydantic AI cancel a turn's other tool calls once one raises,
-    as one does when the run stops (a call waiting for approval, a divergence). A durably
-    call cancelled there would be cut between its intent and its record, or while it
-    records the run's release, and leave the run ``running`` with nothing recorded; the
-    engine waits for every call in flight before it releases the run, so this one lands.
-    """
-    task = asyncio.ensure_future(call)
-    # If nobody awaits it any more, its outcome is in the journal; do not warn about it.
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())
-    return await asyncio.shield(task)
 
 
 def jsonable(value: Any) -> Any:
@@ -49,11 +31,6 @@ def without_none(value: Any) -> Any:
 def opaque(value: Any) -> str:
     kind = type(value)
     return f"<{kind.__module__}.{kind.__qualname__}>"
-
-
-def step_name(name: str) -> str:
-    """A model's name as a step name: '#' and '|' delimit step ids and keys."""
-    return name.replace("#", "_").replace("|", "_")
 
 
 def tool_function(

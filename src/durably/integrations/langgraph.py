@@ -45,8 +45,9 @@ from langchain_core.tools import BaseTool, InjectedToolCallId, StructuredTool
 from pydantic import ConfigDict, PrivateAttr
 
 import durably
-from durably import ConfigurationError, Durable, RetryPolicy
-from durably.integrations._common import jsonable, step_name, uncancelled, without_none
+from durably import ConfigurationError, Durable, RetryPolicy, context
+from durably.integrations._common import jsonable, without_none
+from durably.model_calls import model_step_name
 
 __all__ = ["DurableChatModel", "canonical_request", "durable_tool"]
 
@@ -87,7 +88,7 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> StructuredTool:
                 "model's tool call (ToolNode, or tool.ainvoke(tool_call))"
             )
         _refuse_checkpointer(name)
-        result = await uncancelled(tool.with_step_id(call_id)(*args, **kwargs))
+        result = await tool.with_step_id(call_id)(*args, **kwargs)
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
     fn = tool.fn
@@ -117,6 +118,33 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> StructuredTool:
     return StructuredTool.from_function(coroutine=wrapper, **options)
 
 
+def _task_step_id(step: str) -> str | None:
+    """The step id of a generation made in a LangGraph node: ``<step>@<super-step>/<node>/
+    <task>#<n>``, the n-th of that task (subgraph nodes under their parents' names).
+
+    LangGraph runs a super-step's nodes concurrently, so the order their generations start
+    in is latency's; an id of their task's own lets a replay match them in any order. None
+    outside a graph, and in a run whose generations of this model were all recorded by
+    position (by a version before this one): it replays as it was recorded.
+    """
+    metadata = ensure_config().get("metadata") or {}
+    node, superstep = metadata.get("langgraph_node"), metadata.get("langgraph_step")
+    if node is None or superstep is None:
+        return None
+    run = context.active()
+    by_position = [s for s in run.steps if s.startswith(step + "#")]
+    if by_position and not any(s.startswith(step + "@") for s in run.steps):
+        return None
+    # ('__pregel_pull', 'agent') or ('__pregel_push', 2, False): the task within its node.
+    path = metadata.get("langgraph_path") or ()
+    task = ".".join(str(p) for p in path[1:] if not isinstance(p, bool))
+    parents = str(metadata.get("langgraph_checkpoint_ns") or "").split("|")[:-1]
+    where = "/".join([*(p.split(":")[0] for p in parents), str(superstep), str(node), task])
+    prefix = f"{step}@{where}#".replace("|", "_")
+    # Calls one task makes are numbered in the order it makes them, like positional ones.
+    return f"{prefix}{1 + sum(s.startswith(prefix) for s in run.reached)}"
+
+
 def _refuse_checkpointer(what: str) -> None:
     """Refuse a LangGraph checkpointer on the graph this call runs in."""
     configurable = ensure_config().get("configurable") or {}
@@ -133,7 +161,8 @@ def _refuse_checkpointer(what: str) -> None:
 
 
 class DurableChatModel(BaseChatModel):
-    """A chat model whose every generation is one recorded step of the durably run.
+    """A chat model whose every generation is one recorded model call of the durably run
+    (:meth:`durably.App.call_model`).
 
     The step is named ``model:<name>`` (``name``, else the model's ``model_name`` or
     ``model`` attribute, else its ``_llm_type``) and hashed by :func:`canonical_request`.
@@ -147,6 +176,7 @@ class DurableChatModel(BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     model: BaseChatModel
+    model_name: str
     step: str
     retry: RetryPolicy | None = None
     _app: durably.App = PrivateAttr()
@@ -161,9 +191,14 @@ class DurableChatModel(BaseChatModel):
         **kwargs: Any,
     ) -> None:
         inner = model.model if isinstance(model, DurableChatModel) else model
-        step = "model:" + step_name(name or _model_name(inner))
+        model_name = name or _model_name(inner)
         # BaseChatModel's typed __init__ does not know this subclass's own fields.
-        fields: dict[str, Any] = {"model": inner, "step": step, "retry": retry}
+        fields: dict[str, Any] = {
+            "model": inner,
+            "model_name": model_name,
+            "step": model_step_name(model_name),
+            "retry": retry,
+        }
         super().__init__(**fields, **kwargs)
         self._app = app
 
@@ -209,19 +244,18 @@ class DurableChatModel(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         _refuse_checkpointer(self.step)
-        recorded = await self._app.call_step(
-            self.step,
+        recorded = await self._app.call_model(
+            self.model_name,
             self._respond,
             messages,
             stop=stop,
             canonical=canonical_request,
             retry=self.retry,
+            usage=_usage,
+            step_id=_task_step_id(self.step),
             **kwargs,
         )
         message = messages_from_dict([recorded["message"]])[0]
-        usage = getattr(message, "usage_metadata", None)
-        if usage:
-            await durably.charge(tokens=usage["total_tokens"])
         return ChatResult(
             generations=[ChatGeneration(message=message)], llm_output=recorded.get("llm_output")
         )
@@ -263,6 +297,11 @@ def _message(message: BaseMessage) -> Any:
         for volatile in _VOLATILE:
             data.pop(volatile, None)
     return without_none(plain)
+
+
+def _usage(recorded: dict[str, Any]) -> Any:
+    """A recorded generation's token usage: its message's ``usage_metadata``."""
+    return recorded["message"]["data"].get("usage_metadata")
 
 
 def _model_name(model: BaseChatModel) -> str:

@@ -57,11 +57,10 @@ from durably import ConfigurationError, Durable, RetryPolicy
 from durably.integrations._common import (
     jsonable,
     opaque,
-    step_name,
     tool_function,
-    uncancelled,
     without_none,
 )
+from durably.model_calls import model_step_name
 
 __all__ = [
     "DurableModel",
@@ -113,7 +112,7 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> FunctionTool:
             )
 
     async def invoke(tool_context: ToolContext[Any], /, *args: Any, **kwargs: Any) -> str:
-        result = await uncancelled(tool.with_step_id(tool_context.tool_call_id)(*args, **kwargs))
+        result = await tool.with_step_id(tool_context.tool_call_id)(*args, **kwargs)
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
     wrapper = tool_function(invoke, tool.fn, context=(_CONTEXT_PARAMETER, ToolContext), returns=str)
@@ -126,7 +125,8 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> FunctionTool:
 
 
 class DurableModel(Model):
-    """A ``Model`` whose every ``get_response`` is one recorded step of the durably run.
+    """A ``Model`` whose every ``get_response`` is one recorded model call of the durably
+    run (:meth:`durably.App.call_model`).
 
     The step is named ``model:<name>`` (``name``, else the model's ``model`` attribute,
     else its class) and hashed by :func:`canonical_request`. Its result is the
@@ -145,7 +145,8 @@ class DurableModel(Model):
     ) -> None:
         self.app = app
         self.model: Model = model.model if isinstance(model, DurableModel) else model
-        self.step_name = "model:" + step_name(name or _model_name(self.model))
+        self.model_name = name or _model_name(self.model)
+        self.step_name = model_step_name(self.model_name)
         self.retry = retry
 
     async def get_response(
@@ -162,8 +163,8 @@ class DurableModel(Model):
         conversation_id: str | None,
         prompt: ResponsePromptParam | None,
     ) -> ModelResponse:
-        recorded = await self.app.call_step(
-            self.step_name,
+        recorded = await self.app.call_model(
+            self.model_name,
             self._respond,
             system_instructions,
             input,
@@ -178,9 +179,7 @@ class DurableModel(Model):
             canonical=canonical_request,
             retry=self.retry,
         )
-        response = _RESPONSE.validate_python(recorded)
-        await durably.charge(tokens=response.usage.total_tokens)
-        return response
+        return _RESPONSE.validate_python(recorded)
 
     async def _respond(
         self,

@@ -51,9 +51,7 @@ import durably
 from durably import ConfigurationError, Durable, OutsideRunError, RetryPolicy
 from durably.integrations._common import (
     jsonable,
-    step_name,
     tool_function,
-    uncancelled,
     without_none,
 )
 
@@ -113,7 +111,7 @@ def durable_tool(tool: Durable[..., Any], **options: Any) -> Tool[Any]:
                 "recovery would ask the model again and get this call under a new id: a new "
                 "effect. Give the agent capabilities=[DurablyDurability(app)]"
             )
-        return await uncancelled(tool.with_step_id(ctx.tool_call_id)(*args, **kwargs))
+        return await tool.with_step_id(ctx.tool_call_id)(*args, **kwargs)
 
     returns = typing.get_type_hints(tool.fn).get("return", inspect.Signature.empty)
     wrapper = tool_function(
@@ -168,26 +166,23 @@ class _Backend(CallableOperationBackend[None]):
             del request  # hashed and stored; the unit's body holds the live objects
             return await body()
 
-        recorded = await self.capability.app.call_step(
-            "model:" + step_name(operation_id.model_name),
+        return await self.capability.app.call_model(
+            operation_id.model_name,
             respond,
             request,
             canonical=canonical_request,
             retry=self.capability.retry,
         )
-        usage = recorded.get("usage", {}) if isinstance(recorded, dict) else {}
-        tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
-        await durably.charge(tokens=tokens)
-        return recorded
 
 
 class DurablyDurability(BaseDurabilityCapability[Any]):
     """The durability capability: ``Agent(..., capabilities=[DurablyDurability(app)])``.
 
-    Inside a durably workflow, each model request of the agent is one recorded step,
-    ``model:<model name>``, hashed by :func:`canonical_request`; its result is the
-    ``ModelResponse`` as JSON (Pydantic AI's own serialization), rebuilt from the journal on
-    every replay. Its ``input_tokens + output_tokens`` are charged to the run's budget.
+    Inside a durably workflow, each model request of the agent is one recorded model call
+    (:meth:`durably.App.call_model`), ``model:<model name>``, hashed by
+    :func:`canonical_request`; its result is the ``ModelResponse`` as JSON (Pydantic AI's
+    own serialization), rebuilt from the journal on every replay. Its
+    ``input_tokens + output_tokens`` are charged to the run's budget.
     ``retry`` is the step's retry policy (durably's default when None). Tools are not
     wrapped: give the agent :func:`durable_tool` tools. Outside a workflow the agent runs
     as usual.

@@ -115,6 +115,27 @@ class EffectOut(BaseModel):
     failure_category: str | None
     result: Stored
     error: StoredObject | None
+    model_call_id: str | None = Field(
+        description="The recorded model call whose answer asked for this tool call."
+    )
+
+
+class ModelCallOut(BaseModel):
+    """A recorded model call: what the model was given, its answer, usage and latency."""
+
+    model_call_id: str
+    step_id: str
+    name: str
+    model: str
+    model_profile: str | None
+    input_hash: str
+    input: Stored = Field(description="What the input hash covers; null when over the limit.")
+    input_bytes: int
+    output: Stored
+    usage: dict[str, float]
+    latency_ms: float
+    tool_call_ids: list[str]
+    attempts: int
 
 
 class ApprovalSummary(BaseModel):
@@ -221,6 +242,7 @@ class RunDetail(BaseModel):
     updated_at: float
     steps: list[StepOut]
     effects: list[EffectOut]
+    model_calls: list[ModelCallOut] = Field(description="In call order.")
     approvals: list[ApprovalSummary]
     last_event_sequence: int
     checkpoints: list[CheckpointOut] = Field(description="Newest first.")

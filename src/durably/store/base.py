@@ -74,6 +74,9 @@ class StepRecord:
     settled_sequence: int | None
     created_at: float
     updated_at: float
+    model_call: dict[str, Any] | None = None
+    """A model call's record (model_call_id, model, input, usage, latency...), for a step
+    that asked a model; its answer is the output."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,7 @@ class StepWrite:
     idempotency_key: str | None = None
     attempts: int = 0
     settle: bool = False
+    model_call: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

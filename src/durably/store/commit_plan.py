@@ -179,6 +179,7 @@ def _step(s: StepWrite) -> dict[str, Any]:
         "error_json": json_or_none(s.error),
         "idempotency_key": s.idempotency_key,
         "attempts": s.attempts,
+        "model_call_json": json_or_none(s.model_call),
     }
 
 

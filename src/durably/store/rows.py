@@ -68,6 +68,7 @@ def step_from_row(r: Row) -> StepRecord:
         settled_sequence=r["settled_sequence"],
         created_at=r["created_at"],
         updated_at=r["updated_at"],
+        model_call=loads(r["model_call_json"]),
     )
 
 

@@ -231,14 +231,14 @@ FROM durably_runs WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND leas
 -- sequence of the commit's last event.
 INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, input_hash,
     output_json, error_json, idempotency_key, attempts, settled_sequence, created_at,
-    updated_at)
+    updated_at, model_call_json)
 SELECT run_id, %(step_id)s, %(position)s, %(kind)s, %(name)s, %(status)s, %(input_hash)s, %(output_json)s,
     %(error_json)s, %(idempotency_key)s, %(attempts)s, CASE WHEN %(settle)s THEN last_sequence END,
-    extract(epoch FROM now()), extract(epoch FROM now())
+    extract(epoch FROM now()), extract(epoch FROM now()), %(model_call_json)s
 FROM durably_runs WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
 ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
     output_json = excluded.output_json, error_json = excluded.error_json,
-    attempts = excluded.attempts,
+    attempts = excluded.attempts, model_call_json = excluded.model_call_json,
     settled_sequence = coalesce(excluded.settled_sequence, durably_steps.settled_sequence),
     updated_at = excluded.updated_at;
 
@@ -246,13 +246,14 @@ ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
 -- A step-ledger row; settled_sequence, once set, stays.
 INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, input_hash,
     output_json, error_json, idempotency_key, attempts, settled_sequence, created_at,
-    updated_at)
+    updated_at, model_call_json)
 VALUES (%(run_id)s, %(step_id)s, %(position)s, %(kind)s, %(name)s, %(status)s,
     %(input_hash)s, %(output_json)s, %(error_json)s, %(idempotency_key)s, %(attempts)s,
-    %(settled_sequence)s, extract(epoch FROM now()), extract(epoch FROM now()))
+    %(settled_sequence)s, extract(epoch FROM now()), extract(epoch FROM now()),
+    %(model_call_json)s)
 ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
     output_json = excluded.output_json, error_json = excluded.error_json,
-    attempts = excluded.attempts,
+    attempts = excluded.attempts, model_call_json = excluded.model_call_json,
     settled_sequence = coalesce(excluded.settled_sequence, durably_steps.settled_sequence),
     updated_at = excluded.updated_at;
 

@@ -53,6 +53,7 @@ CREATE TABLE durably_steps (
     settled_sequence  BIGINT,
     created_at        DOUBLE PRECISION NOT NULL,
     updated_at        DOUBLE PRECISION NOT NULL,
+    model_call_json   TEXT,
     PRIMARY KEY (run_id, step_id)
 );
 

@@ -204,14 +204,14 @@ FROM durably_runs WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoc
 -- sequence of the commit's last event.
 INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, input_hash,
     output_json, error_json, idempotency_key, attempts, settled_sequence, created_at,
-    updated_at)
+    updated_at, model_call_json)
 SELECT run_id, :step_id, :position, :kind, :name, :status, :input_hash, :output_json,
     :error_json, :idempotency_key, :attempts, CASE WHEN :settle THEN last_sequence END,
-    :now, :now
+    :now, :now, :model_call_json
 FROM durably_runs WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoch = :epoch
 ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
     output_json = excluded.output_json, error_json = excluded.error_json,
-    attempts = excluded.attempts,
+    attempts = excluded.attempts, model_call_json = excluded.model_call_json,
     settled_sequence = coalesce(excluded.settled_sequence, settled_sequence),
     updated_at = excluded.updated_at;
 
@@ -219,12 +219,12 @@ ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
 -- A step-ledger row; settled_sequence, once set, stays.
 INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, input_hash,
     output_json, error_json, idempotency_key, attempts, settled_sequence, created_at,
-    updated_at)
+    updated_at, model_call_json)
 VALUES (:run_id, :step_id, :position, :kind, :name, :status, :input_hash, :output_json,
-    :error_json, :idempotency_key, :attempts, :settled_sequence, :now, :now)
+    :error_json, :idempotency_key, :attempts, :settled_sequence, :now, :now, :model_call_json)
 ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
     output_json = excluded.output_json, error_json = excluded.error_json,
-    attempts = excluded.attempts,
+    attempts = excluded.attempts, model_call_json = excluded.model_call_json,
     settled_sequence = coalesce(excluded.settled_sequence, settled_sequence),
     updated_at = excluded.updated_at;
 

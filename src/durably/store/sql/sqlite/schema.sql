@@ -101,7 +101,7 @@ CREATE TABLE durably_steps (
     attempts          INTEGER NOT NULL DEFAULT 0,
     settled_sequence  INTEGER,
     created_at        REAL NOT NULL,
-    updated_at        REAL NOT NULL,
+    updated_at        REAL NOT NULL, model_call_json TEXT,
     PRIMARY KEY (run_id, step_id)
 ) WITHOUT ROWID;
 
