@@ -5,8 +5,9 @@ raw durable commit, measured in the same run, on SQLite and PostgreSQL.
     python benchmarks/floor.py [--backend sqlite,postgres] [--postgres-url URL] [--dir DIR]
                                [--steps N] [--runs N] [--concurrency 1,4,16] [--effects N]
                                [--recover-runs N] [--recover-concurrency C] [--lease-ttl S]
-                               [--repeat R] [--workloads w1,w2,effect,w3] [--quick]
-                               [--json PATH]
+                               [--scale-runs N] [--scale-processes 1,2,4]
+                               [--scale-concurrency C] [--repeat R]
+                               [--workloads w1,w2,effect,w3,scale] [--quick] [--json PATH]
 
 Every measurement verifies its runs (each completed once, every step exactly once) and
 the command exits 1 if one does not. See benchmarks/README.md for what is measured.
@@ -27,7 +28,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from benchmarks import floor_measure as fm
-from benchmarks import floor_recovery
+from benchmarks import floor_recovery, floor_scaling
 from benchmarks.floor_render import W2_STEPS, Figures, render
 from benchmarks.places import (
     ATTEMPTS,
@@ -41,14 +42,14 @@ from benchmarks.places import (
 
 T = TypeVar("T")
 BACKENDS = ("sqlite", "postgres")
-WORKLOADS = ("w1", "w2", "effect", "w3")
+WORKLOADS = ("w1", "w2", "effect", "w3", "scale")
 FULL: dict[str, Any] = {
     "steps": 200, "runs": 200, "effects": 100, "recover_runs": 500, "repeat": 5,
-    "lease_ttl": None,
+    "lease_ttl": None, "scale_runs": 600,
 }  # fmt: skip
 QUICK: dict[str, Any] = {
     "steps": 40, "runs": 20, "effects": 10, "recover_runs": 20, "repeat": 1,
-    "lease_ttl": 1.0,
+    "lease_ttl": 1.0, "scale_runs": 30,
 }  # fmt: skip
 """--quick: every workload on every backend, with its checks; figures too rough to quote.
 Its W3 uses a 1 s lease so that it does not wait out the default 30 s."""
@@ -66,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recover-runs", type=int, help=f"W3: runs ({FULL['recover_runs']})")
     p.add_argument("--recover-concurrency", type=int, default=16, help="W3: fresh worker's")
     p.add_argument("--lease-ttl", type=float, help="W3: lease seconds (the worker's default)")
+    p.add_argument("--scale-runs", type=int, help=f"scale: runs ({FULL['scale_runs']})")
+    p.add_argument("--scale-processes", default="1,2,4", help="scale: worker processes")
+    p.add_argument("--scale-concurrency", type=int, default=8, help="scale: runs at once each")
     p.add_argument("--repeat", type=int, help=f"W1/W2/effect repeats ({FULL['repeat']})")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="a subset of these")
     p.add_argument("--quick", action="store_true", help="a smoke run (rough figures)")
@@ -77,6 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.backends = [b for b in args.backend.split(",") if b]
     args.levels = [int(c) for c in args.concurrency.split(",") if c]
     args.chosen = [w for w in args.workloads.split(",") if w]
+    args.fleet = [int(n) for n in args.scale_processes.split(",") if n]
     unknown = {*args.backends} - {*BACKENDS} | {*args.chosen} - {*WORKLOADS}
     if unknown:
         p.error(f"unknown backend or workload: {', '.join(sorted(unknown))}")
@@ -154,6 +159,21 @@ def recovery(args: argparse.Namespace, places: Places, backend: str, figs: Figur
     figs.recoveries.append(places.attempt(backend, go))
 
 
+def scaling(args: argparse.Namespace, places: Places, figs: Figures) -> None:
+    """PostgreSQL steps/s with each number of worker processes (one measurement each)."""
+    runs = args.scale_runs
+    figs.add("raw scale", raw(places, "postgres", runs * floor_scaling.STEPS, None))
+    for processes in args.fleet:
+
+        def go(place: Any, processes: int = processes) -> floor_scaling.Scaling:
+            with tempfile.TemporaryDirectory(prefix="floor-scale-") as tmp:
+                log = Path(tmp) / "steps.log"
+                level = args.scale_concurrency
+                return floor_scaling.measure(place.url(), runs, processes, level, log)
+
+        figs.scalings.append(places.attempt("postgres", go))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -176,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         if "w3" in args.chosen:
             for backend in args.backends:
                 recovery(args, places, backend, figures[backend])
+        if "scale" in args.chosen and "postgres" in figures:
+            scaling(args, places, figures["postgres"])
     except fm.CheckFailed as exc:
         print(f"CHECK FAILED: {exc}", file=sys.stderr)
         return 1

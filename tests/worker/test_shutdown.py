@@ -15,8 +15,10 @@ from tests.worker import drainapp
 APP = "tests.worker.drainapp:app"
 
 
-def durably_cli(url: str, *args: str, app: str = APP) -> subprocess.Popen[str]:
-    env = {**os.environ, "DURABLY_DATABASE_URL": url}
+def durably_cli(
+    url: str, *args: str, app: str = APP, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    env = {**os.environ, "DURABLY_DATABASE_URL": url, **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "durably", "--app", app, *args],
         env=env,

@@ -376,6 +376,14 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def claim_batch(
+        self, owner: str, ttl_s: float, workflows: list[str], limit: int
+    ) -> list[Claim]:
+        """Lease up to ``limit`` runnable runs of ``workflows``, oldest first, in one
+        transaction: each as ``claim_next`` would (its own new epoch, its recovery recorded),
+        none held by another claimer at the same time."""
+
+    @abc.abstractmethod
     async def heartbeat(self, lease: Lease) -> float:
         """Extend the lease; raise :class:`LeaseLostError` if it is no longer ours."""
 

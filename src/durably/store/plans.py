@@ -142,33 +142,36 @@ def expire_leases(owners: Any) -> Plan[int]:
     return len(runs)
 
 
-def claim(pick: Plan[Row | None], owner: str, ttl_s: float, sent_at: float) -> Plan[Claim | None]:
-    """The claim of the run ``pick`` leased (its row as leased, with ``old_status``,
-    ``old_owner`` and ``old_until`` from before), recording a recovery."""
-    row = yield from pick
-    if row is None:
-        return None
-    # In flight under any owner (a dead worker, or this one after a failed commit or a cut
-    # connection): its effects are reconciled before anything else.
-    recovered = row["old_status"] != RunStatus.QUEUED and row["old_owner"] is not None
-    run = run_from_row(row)
-    if recovered:
-        payload = {"previous_owner": row["old_owner"], "lease_until": row["old_until"]}
-        sequence = run.last_sequence + 1
-        yield Round(
-            [
+def claim(pick: Plan[Rows], owner: str, ttl_s: float, sent_at: float) -> Plan[list[Claim]]:
+    """The claims of the runs ``pick`` leased (their rows as leased, with ``old_status``,
+    ``old_owner`` and ``old_until`` from before), recording each recovery: one round for
+    however many runs, so a batch costs a single claim's round trips."""
+    rows = yield from pick
+    claims: list[Claim] = []
+    recoveries: list[Query] = []
+    for row in rows:
+        # In flight under any owner (a dead worker, or this one after a failed commit or a
+        # cut connection): its effects are reconciled before anything else.
+        recovered = row["old_status"] != RunStatus.QUEUED and row["old_owner"] is not None
+        run = run_from_row(row)
+        if recovered:
+            payload = {"previous_owner": row["old_owner"], "lease_until": row["old_until"]}
+            recoveries += [
                 ("next_sequence", {"run_id": run.run_id}),
-                insert_event(run.run_id, sequence, "run_recovered", None, payload),
-            ],
-            final=True,
+                insert_event(run.run_id, run.last_sequence + 1, "run_recovered", None, payload),
+            ]
+        claims.append(
+            Claim(
+                run=run,
+                lease=Lease(run.run_id, owner, run.lease_epoch, ttl_s),
+                recovered=recovered,
+                previous_lease_until=row["old_until"] if recovered else None,
+                sent_at=sent_at,
+            )
         )
-    return Claim(
-        run=run,
-        lease=Lease(run.run_id, owner, run.lease_epoch, ttl_s),
-        recovered=recovered,
-        previous_lease_until=row["old_until"] if recovered else None,
-        sent_at=sent_at,
-    )
+    if recoveries:
+        yield Round(recoveries, final=True)
+    return claims
 
 
 def deliver_signal(run_id: str, event_id: str, name: str, payload_json: str) -> Plan[bool]:

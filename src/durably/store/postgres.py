@@ -32,7 +32,6 @@ from durably.store.base import Committed, Expect, Lease, Transition, shown_url
 from durably.store.migrations import Migrator
 from durably.store.plans import Plan, Round, Rows
 from durably.store.queries import queries
-from durably.store.rows import Row
 from durably.store.sqlstore import SQLStore
 
 AsyncConn = psycopg.AsyncConnection[dict[str, Any]]
@@ -186,9 +185,9 @@ class PostgresStore(SQLStore):
 
         return await self._transact(work, idempotent=True)
 
-    def _pick(self, name: str, params: dict[str, Any]) -> Plan[Row | None]:
+    def _pick(self, name: str, params: dict[str, Any]) -> Plan[Rows]:
         (claimed,) = yield Round([(name, params)])
-        return claimed[0] if claimed else None
+        return claimed
 
     def _list(self, values: Sequence[str]) -> list[str]:
         return list(values)

@@ -30,7 +30,6 @@ from durably.store.base import shown_url
 from durably.store.migrations import Migrator, split_statements
 from durably.store.plans import Plan, Query, Round, Rows
 from durably.store.queries import queries
-from durably.store.rows import Row
 from durably.store.sqlite_file import connect
 from durably.store.sqlstore import SQLStore
 
@@ -269,12 +268,12 @@ class SQLiteStore(SQLStore):
         with self._reading() as db:
             return _execute(db, (name, params), time.time())
 
-    def _pick(self, name: str, params: dict[str, Any]) -> Plan[Row | None]:
+    def _pick(self, name: str, params: dict[str, Any]) -> Plan[Rows]:
         (picked,) = yield Round([(name, params)])
         if not picked:
-            return None
-        (taken,) = yield Round([("take_lease", {**params, "run_id": picked[0]["run_id"]})])
-        return {**dict(taken[0]), **dict(picked[0])}
+            return []
+        taken = yield Round([("take_lease", {**params, "run_id": p["run_id"]}) for p in picked])
+        return [{**dict(t[0]), **dict(p)} for t, p in zip(taken, picked, strict=True)]
 
     def _list(self, values: Sequence[str]) -> str:
         return json.dumps(list(values))

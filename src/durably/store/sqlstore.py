@@ -29,7 +29,7 @@ from durably.store.base import (
     Transition,
 )
 from durably.store.plans import Plan, Rows, lease_lost
-from durably.store.rows import Row, checkpoint_from_row, event_from_row, run_from_row
+from durably.store.rows import checkpoint_from_row, event_from_row, run_from_row
 
 T = TypeVar("T")
 
@@ -54,9 +54,10 @@ class SQLStore(Store):
         """One statement in a transaction of its own; its rows."""
 
     @abc.abstractmethod
-    def _pick(self, name: str, params: dict[str, Any]) -> Plan[Row | None]:
-        """Run ``claim_run`` or ``claim_next`` and lease the run it finds: a row of the run
-        as leased, with ``old_status``, ``old_owner`` and ``old_until`` from before."""
+    def _pick(self, name: str, params: dict[str, Any]) -> Plan[Rows]:
+        """Run ``claim_run``, ``claim_next`` or ``claim_batch`` and lease the runs it finds:
+        a row of each run as leased, with ``old_status``, ``old_owner`` and ``old_until``
+        from before."""
 
     @abc.abstractmethod
     def _list(self, values: Sequence[str]) -> Any:
@@ -73,16 +74,26 @@ class SQLStore(Store):
         return await self._run(lambda: plans.create_run(new), idempotent=True)
 
     async def claim_run(self, run_id: str, owner: str, ttl_s: float) -> Claim | None:
-        return await self._claim("claim_run", {"run_id": run_id}, owner, ttl_s)
+        claims = await self._claim("claim_run", {"run_id": run_id}, owner, ttl_s)
+        return claims[0] if claims else None
 
     async def claim_next(self, owner: str, ttl_s: float, workflows: list[str]) -> Claim | None:
         if not workflows:
             return None
-        return await self._claim("claim_next", {"workflows": self._list(workflows)}, owner, ttl_s)
+        claims = await self._claim("claim_next", {"workflows": self._list(workflows)}, owner, ttl_s)
+        return claims[0] if claims else None
+
+    async def claim_batch(
+        self, owner: str, ttl_s: float, workflows: list[str], limit: int
+    ) -> list[Claim]:
+        if not workflows or limit < 1:
+            return []
+        params = {"workflows": self._list(workflows), "limit": limit}
+        return await self._claim("claim_batch", params, owner, ttl_s)
 
     async def _claim(
         self, name: str, params: dict[str, Any], owner: str, ttl_s: float
-    ) -> Claim | None:
+    ) -> list[Claim]:
         # Before anything is sent: the lease runs out no earlier than sent_at + ttl.
         sent_at = time.monotonic()
         params = {**params, "owner": owner, "ttl": ttl_s}

@@ -46,8 +46,19 @@ WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waitin
   AND workflow || '|' || workflow_version IN (SELECT value FROM json_each(:workflows))
 ORDER BY available_at, created_at LIMIT 1;
 
+-- name: claim_batch
+-- Up to :limit of the oldest due, unheld runs of these workflows (JSON), as they are; a
+-- take_lease for each follows in the same transaction.
+SELECT run_id, status AS old_status, lease_owner AS old_owner, lease_until AS old_until
+FROM durably_runs
+WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval')
+  AND available_at <= :now
+  AND (lease_owner IS NULL OR lease_until < :now)
+  AND workflow || '|' || workflow_version IN (SELECT value FROM json_each(:workflows))
+ORDER BY available_at, created_at LIMIT :limit;
+
 -- name: take_lease
--- Lease the run picked by claim_run or claim_next: a new epoch, running, due now.
+-- Lease a run picked by claim_run, claim_next or claim_batch: a new epoch, running, due now.
 UPDATE durably_runs SET lease_owner = :owner, lease_until = :now + :ttl,
     lease_epoch = lease_epoch + 1, state_version = state_version + 1, status = 'running',
     available_at = :now, updated_at = :now

@@ -1,0 +1,112 @@
+"""Batch claims (``Store.claim_batch``): several runs in one transaction, each leased as
+``claim_next`` would lease it, none to two claimers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from durably.errors import LeaseLostError
+from durably.status import RunStatus
+from durably.store import open_store
+from durably.store.base import EventWrite, Store, Transition
+from tests.contract.test_store import new_run, run, store  # noqa: F401 - the fixture
+
+WORKFLOWS = ["wf|1"]
+
+
+def test_a_batch_leases_up_to_its_limit_oldest_first(store: Store) -> None:  # noqa: F811
+    for i in range(5):
+        run(store.create_run(new_run(f"r{i}")))
+    run(store.create_run(new_run("other", workflow="not-mine")))
+    first = run(store.claim_batch("w1", 30, WORKFLOWS, 3))
+    assert [c.run.run_id for c in first] == ["r0", "r1", "r2"]
+    for claim in first:
+        assert claim.run.status is RunStatus.RUNNING
+        assert claim.run.lease_owner == "w1"
+        assert claim.lease.epoch == claim.run.lease_epoch == 1
+        assert not claim.recovered
+    # Held runs are nobody else's, in a batch or one at a time.
+    assert run(store.claim_next("w2", 30, WORKFLOWS)) is not None  # r3
+    rest = run(store.claim_batch("w2", 30, WORKFLOWS, 10))
+    assert [c.run.run_id for c in rest] == ["r4"]
+    assert run(store.claim_batch("w2", 30, WORKFLOWS, 10)) == []
+    assert run(store.claim_batch("w2", 30, WORKFLOWS, 0)) == []
+    assert run(store.claim_batch("w2", 30, [], 10)) == []
+    # Each claimed run's lease works like any other: its holder commits.
+    run(store.commit(first[0].lease, Transition(events=[EventWrite("mine")])))
+
+
+def test_a_batch_recovers_expired_leases_and_fences_their_old_holder(
+    store: Store,  # noqa: F811
+) -> None:
+    old = []
+    for i in range(3):
+        run(store.create_run(new_run(f"r{i}")))
+        claim = run(store.claim_run(f"r{i}", "w1", 0.05))
+        assert claim is not None
+        old.append(claim)
+    time.sleep(0.1)
+    claims = run(store.claim_batch("w2", 30, WORKFLOWS, 10))
+    assert sorted(c.run.run_id for c in claims) == ["r0", "r1", "r2"]
+    for claim, before in zip(sorted(claims, key=lambda c: c.run.run_id), old, strict=True):
+        assert claim.recovered
+        assert claim.previous_lease_until == pytest.approx(before.run.lease_until)
+        assert claim.lease.epoch == before.lease.epoch + 1
+        with pytest.raises(LeaseLostError):
+            run(store.commit(before.lease, Transition(events=[EventWrite("late")])))
+        with pytest.raises(LeaseLostError):
+            run(store.heartbeat(before.lease))
+        run(store.commit(claim.lease, Transition(events=[EventWrite("new holder")])))
+        events = run(store.events(claim.run.run_id))
+        assert [e.type for e in events] == ["run_started", "run_recovered", "new holder"]
+        assert [e.sequence for e in events] == [1, 2, 3]
+        assert events[1].payload["previous_owner"] == "w1"
+
+
+def test_racing_batch_claimers_never_hold_the_same_run(
+    store: Store,  # noqa: F811
+) -> None:
+    """Three claimers, each on its own connection and thread, take batches until nothing
+    is left: every run is claimed exactly once, at epoch 1."""
+    runs = 60
+    for i in range(runs):
+        run(store.create_run(new_run(f"r{i:03d}")))
+    taken: list[list[tuple[str, int]]] = [[] for _ in range(3)]
+    failures: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    async def claimer(me: int) -> None:
+        mine = open_store(store.url)
+        try:
+            start.wait()
+            empty = 0
+            while empty < 3:
+                claims = await mine.claim_batch(f"w{me}", 30, WORKFLOWS, 4)
+                taken[me] += [(c.run.run_id, c.lease.epoch) for c in claims]
+                empty = 0 if claims else empty + 1
+                await asyncio.sleep(0)
+        finally:
+            await mine.close()
+
+    def thread(me: int) -> None:
+        try:
+            asyncio.run(claimer(me))
+        except BaseException as exc:  # reported below, on the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=thread, args=(me,)) for me in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not failures, failures
+    claimed = [run_id for mine in taken for run_id, _ in mine]
+    assert sorted(claimed) == [f"r{i:03d}" for i in range(runs)]
+    assert {epoch for mine in taken for _, epoch in mine} == {1}
+    owners = {r.run_id: r.lease_owner for r in run(store.list_runs(limit=runs))}
+    for me, mine in enumerate(taken):
+        assert all(owners[run_id] == f"w{me}" for run_id, _ in mine)
