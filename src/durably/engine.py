@@ -56,7 +56,11 @@ class Engine:
         """Open the store and apply pending migrations (done on first use)."""
         if self._store is None:
             store = open_store(self.database_url)
-            await store.migrate()
+            try:
+                await store.migrate()
+            except BaseException:
+                await store.close()  # a caller that tries again opens a new one
+                raise
             self._store = store
         return self._store
 

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("durably.worker")
 
+MAX_BACKOFF_S = 10.0
+"""The longest wait between two attempts to reach a store that is unavailable."""
+
 CLAIM_BATCH_MAX = 100
 """Runs leased in one claim transaction at most: a bigger one holds SQLite's write lock
 (and PostgreSQL's row locks) longer than a commit, for little more saved."""
@@ -142,8 +145,8 @@ class Worker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
                 handled.append(sig)
-        await self.engine.open()
-        await self.recover_dead_owners()
+        if not await self._started(until_idle):
+            return self.executed
         if until_idle:
             await self.recheck_paused()
         # Slots that stop when idle never wait for work: no listener (nor its connection).
@@ -191,6 +194,35 @@ class Worker:
                     await self._wake_all()
             except StoreUnavailable as exc:
                 log.warning("worker %s: cannot look for dead owners (%s)", self.worker_id, exc)
+
+    async def _started(self, until_idle: bool) -> bool:
+        """Open the store (migrating it) and recover dead owners' runs; False if the worker
+        was stopped first.
+
+        A serving worker started while its database is down (restarting, or deployed at the
+        same moment) waits for it, as its slots do once running, instead of exiting. One run
+        ``until_idle`` reports the outage at once.
+        """
+        backoff = self.poll_interval_s
+        while True:
+            try:
+                await self.engine.open()
+                await self.recover_dead_owners()
+                return True
+            except StoreUnavailable as exc:
+                if until_idle:
+                    raise
+                log.warning(
+                    "worker %s: the store is unavailable (%s); trying again in %.1f s",
+                    self.worker_id,
+                    exc,
+                    backoff,
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), backoff)
+            if self._stopping.is_set():
+                return False
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     async def recover_dead_owners(self) -> list[str]:
         """End the leases held by workers of this machine whose process is gone, so their
@@ -304,7 +336,7 @@ class Worker:
                 # The database is down or restarting: keep trying, a little slower each time.
                 log.warning("worker %s: store unavailable (%s); retrying", self.worker_id, exc)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             backoff = self.poll_interval_s
             if claim is not None:
