@@ -43,6 +43,8 @@ LAYERS: dict[str, int] = {
     "durably.views": 3,
     "durably.calls": 3,
     "durably.execution": 3,
+    "durably.approval_join": 3,
+    "durably.stops": 3,
     "durably.context": 3,
     "durably.runtime": 3,
     "durably.verification": 3,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from durably import faults
+from durably.approval_join import AwaitedApproval, JoinsApprovals
 from durably.calls import CallIdentity, Scope, prefix_of
 from durably.checkpoint import JournalState
 from durably.errors import (
@@ -25,13 +26,12 @@ from durably.errors import (
     InvalidTransition,
     LeaseLostError,
     NonDeterminismError,
-    RunStopped,
     StoreUnavailable,
 )
 from durably.status import PauseReason, RunStatus
+from durably.stops import Cancel, Suspend
 from durably.store.base import (
     Approval,
-    ApprovalRequest,
     Committed,
     EventWrite,
     Lease,
@@ -40,7 +40,6 @@ from durably.store.base import (
     RunUpdate,
     Signal,
     StepRecord,
-    StepWrite,
     Store,
     Transition,
 )
@@ -52,35 +51,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("durably")
 
 
-class Cancel(RunStopped):
-    """Unwinds a workflow whose cancellation was requested, at a call boundary."""
-
-
-class Suspend(RunStopped):
-    """Unwinds a workflow whose run stops here: paused or waiting (already committed), its
-    lease or store lost (nothing more is written), or poisoned (the driver pauses it)."""
-
-
 def error_dict(exc: BaseException) -> dict[str, Any]:
     """An exception as recorded: its message may hold anything (a NUL, a lone surrogate from
     a cut-off response), and recording the outcome must not fail on it."""
     return {"type": type(exc).__name__, "message": storable_text(str(exc))}
 
 
-@dataclass(frozen=True)
-class AwaitedApproval:
-    """A call of the run that waits for a person's approval: recorded with the run's other
-    calls that wait for one, in the commit that suspends the run."""
-
-    step: StepWrite
-    event: EventWrite
-    request: ApprovalRequest | None
-    """A new request (None: the call waits for one requested earlier)."""
-    waiting: dict[str, Any]
-
-
 @dataclass
-class RunContext(CallIdentity):
+class RunContext(CallIdentity, JoinsApprovals):
     """One execution of one run by one lease holder."""
 
     engine: Engine
@@ -341,64 +319,6 @@ class RunContext(CallIdentity):
         finally:
             self.landed(call)
 
-    async def await_approval(
-        self, this: AwaitedApproval, *, exclude: int | None = None
-    ) -> NoReturn:
-        """Suspend the run in ``waiting_approval`` for ``this`` call (``exclude``: its
-        in-flight id) and for every parallel call of the run that needs an approval too:
-        their requests, step rows and the suspension are one commit, so a person sees and
-        decides them all at once. A call arriving while another suspends the run joins it."""
-        if self.awaited is not None:
-            self.awaited.append(this)
-            if exclude is not None:
-                self.landed(exclude)
-            # Unwinding now would make a TaskGroup cancel the calls still on their way here.
-            await self.ended.wait()
-            raise Suspend
-        self.awaited = [this]
-
-        async def suspend() -> None:
-            awaited = await self._join_approvals()
-            first = awaited[0]
-            waiting_for = first.waiting
-            if len(awaited) > 1:
-                waiting_for = {**first.waiting, "approvals": [a.waiting for a in awaited]}
-            await self.commit(
-                lambda: Transition(
-                    events=[a.event for a in awaited],
-                    step=first.step,
-                    more_steps=tuple(a.step for a in awaited[1:]),
-                    run=RunUpdate(
-                        RunStatus.WAITING_APPROVAL,
-                        waiting_for=waiting_for,
-                        available_at=min(a.waiting["expires_at"] for a in awaited),
-                    ),
-                    checkpoint=self.journal.draft(
-                        status=RunStatus.WAITING_APPROVAL, current_step=first.step.step_id
-                    ),
-                    release=True,
-                    request_approvals=tuple(a.request for a in awaited if a.request),
-                )
-            )
-            # The requests and the suspension are one transaction: this is the same moment.
-            faults.crash_point("approval.after_request")
-
-        await self.release(suspend, exclude=exclude)
-
-    async def _join_approvals(self) -> list[AwaitedApproval]:
-        """The calls that wait for approval together (the run is closing): parallel calls
-        started with the first one may still be on their way to their approval check, so
-        they are waited for (until nothing is in flight) before the list is taken."""
-        assert self.awaited is not None
-        while True:
-            for _ in range(3):  # calls scheduled in the same tick take their first steps
-                await asyncio.sleep(0)
-            if not self.inflight:
-                break
-            await self.quiesce()
-        awaited, self.awaited = self.awaited, []  # a later call asks in the next execution
-        return awaited
-
     def landed(self, call: int) -> None:
         done = self.inflight.pop(call, None)
         if done is not None and not done.done():
@@ -515,3 +435,14 @@ def operator_paused(ctx: RunContext) -> Transition:
         checkpoint=ctx.journal.draft(status=RunStatus.PAUSED, current_step=None),
         release=True,
     )
+
+
+__all__ = [
+    "AwaitedApproval",
+    "Cancel",
+    "RunContext",
+    "Suspend",
+    "ending",
+    "error_dict",
+    "operator_paused",
+]
