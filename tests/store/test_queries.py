@@ -88,7 +88,7 @@ def test_claimable_statuses_are_the_stores() -> None:
                 if "'queued'" in listed:
                     assert set(re.findall(r"'(\w+)'", listed)) == claimable, sql
                     checked += 1
-    assert checked == 8  # claim_run, claim_next, claim_batch, next_wakeup; both dialects
+    assert checked == 6  # claim_run, claim_batch, next_wakeup; both dialects
 
 
 def test_the_scrape_reads_events_through_their_partial_indexes(tmp_path: Path) -> None:

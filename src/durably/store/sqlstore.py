@@ -55,7 +55,7 @@ class SQLStore(Store):
 
     @abc.abstractmethod
     def _pick(self, name: str, params: dict[str, Any]) -> Plan[Rows]:
-        """Run ``claim_run``, ``claim_next`` or ``claim_batch`` and lease the runs it finds:
+        """Run ``claim_run`` or ``claim_batch`` and lease the runs it finds:
         a row of each run as leased, with ``old_status``, ``old_owner`` and ``old_until``
         from before."""
 
@@ -78,9 +78,7 @@ class SQLStore(Store):
         return claims[0] if claims else None
 
     async def claim_next(self, owner: str, ttl_s: float, workflows: list[str]) -> Claim | None:
-        if not workflows:
-            return None
-        claims = await self._claim("claim_next", {"workflows": self._list(workflows)}, owner, ttl_s)
+        claims = await self.claim_batch(owner, ttl_s, workflows, 1)
         return claims[0] if claims else None
 
     async def claim_batch(

@@ -47,24 +47,6 @@ UPDATE durably_runs r SET lease_owner = %(owner)s,
 FROM candidate c WHERE r.run_id = c.run_id
 RETURNING r.*, c.old_status, c.old_owner, c.old_until;
 
--- name: claim_next
--- Lease the oldest due, unheld run of these workflows, passing over rows being claimed.
-WITH candidate AS (
-    SELECT run_id, status AS old_status, lease_owner AS old_owner, lease_until AS old_until
-    FROM durably_runs
-    WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval')
-      AND available_at <= extract(epoch FROM now())
-      AND workflow || '|' || workflow_version = ANY(%(workflows)s)
-      AND (lease_owner IS NULL OR lease_until < extract(epoch FROM now()))
-    ORDER BY available_at, created_at LIMIT 1
-    FOR UPDATE SKIP LOCKED)
-UPDATE durably_runs r SET lease_owner = %(owner)s,
-    lease_until = extract(epoch FROM now()) + %(ttl)s, lease_epoch = r.lease_epoch + 1,
-    state_version = r.state_version + 1, status = 'running',
-    available_at = extract(epoch FROM now()), updated_at = extract(epoch FROM now())
-FROM candidate c WHERE r.run_id = c.run_id
-RETURNING r.*, c.old_status, c.old_owner, c.old_until;
-
 -- name: claim_batch
 -- Lease up to %(limit)s of the oldest due, unheld runs of these workflows at once (a worker's
 -- free slots), passing over rows being claimed: no run goes to two claimers.

@@ -1,7 +1,7 @@
 -- Every statement of the SQLite store, by name: store/queries.py loads them, store/plans.py
 -- orders them. :now is the store's clock, bound by the store once per transaction.
 -- SQLite's RETURNING shows only the new row, so a claim reads the run as it was
--- (claim_run, claim_next) and then leases it (take_lease). Lists are bound as JSON.
+-- (claim_run, claim_batch) and then leases it (take_lease). Lists are bound as JSON.
 -- The claimable statuses are store.base.CLAIMABLE (tests/store checks it).
 
 -- name: clock
@@ -36,16 +36,6 @@ WHERE run_id = :run_id
   AND available_at <= :now
   AND (lease_owner IS NULL OR lease_until < :now OR lease_owner = :owner);
 
--- name: claim_next
--- The oldest due, unheld run of these workflows (JSON), as it is; take_lease follows.
-SELECT run_id, status AS old_status, lease_owner AS old_owner, lease_until AS old_until
-FROM durably_runs
-WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval')
-  AND available_at <= :now
-  AND (lease_owner IS NULL OR lease_until < :now)
-  AND workflow || '|' || workflow_version IN (SELECT value FROM json_each(:workflows))
-ORDER BY available_at, created_at LIMIT 1;
-
 -- name: claim_batch
 -- Up to :limit of the oldest due, unheld runs of these workflows (JSON), as they are; a
 -- take_lease for each follows in the same transaction.
@@ -58,7 +48,7 @@ WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waitin
 ORDER BY available_at, created_at LIMIT :limit;
 
 -- name: take_lease
--- Lease a run picked by claim_run, claim_next or claim_batch: a new epoch, running, due now.
+-- Lease a run picked by claim_run or claim_batch: a new epoch, running, due now.
 UPDATE durably_runs SET lease_owner = :owner, lease_until = :now + :ttl,
     lease_epoch = lease_epoch + 1, state_version = state_version + 1, status = 'running',
     available_at = :now, updated_at = :now
