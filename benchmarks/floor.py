@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""durably at the physical floor (issue 11): W1, W2 and W3 against the cheapest correct
+"""durably at the physical floor: W1, W2 and W3 against the cheapest correct
 raw durable commit, measured in the same run, on SQLite and PostgreSQL.
 
     python benchmarks/floor.py [--backend sqlite,postgres] [--postgres-url URL] [--dir DIR]

@@ -1,5 +1,6 @@
 """Long agent loops on SQLite: what recovering a run of N recorded steps costs, and what a
-step leaves on disk (issue 11's "replay cost flat per step" and "storage" targets).
+step leaves on disk (the targets: replay cost flat per step, storage within 2x the results
+plus a stated fixed overhead).
 
     .venv/bin/python benchmarks/long_loop.py              # N = 1,000 / 5,000 / 20,000
     .venv/bin/python benchmarks/long_loop.py --quick      # N = 200 / 1,000
