@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from durably.keys import plain_json, sha256_hex
+from durably.values import check_text
 
 log = logging.getLogger("durably.model_calls")
 
@@ -49,6 +50,12 @@ class ModelSpec:
     profile: str | None = None
     usage: UsageReader | None = None
     tool_calls: ToolCallReader | None = None
+
+    def __post_init__(self) -> None:
+        # Shown by the CLI and the console, and part of the step's name.
+        check_text(self.model, "model name")
+        if self.profile is not None:
+            check_text(self.profile, "model profile")
 
 
 def model_step_name(model: str) -> str:
@@ -96,17 +103,17 @@ def charges(model_call: Mapping[str, Any] | None) -> tuple[float, float]:
 
 
 def usage_of(spec: ModelSpec, answer: Any) -> dict[str, float]:
+    usage: dict[str, float] = {}
     try:
         found = spec.usage(answer) if spec.usage is not None else _usage_mapping(answer)
+        for name, value in (found or {}).items():
+            key = _TOKEN_NAMES.get(name)
+            if key is not None and _amount(value):
+                usage[key] = value
     except Exception:
         # The call was made and paid for: a reader that breaks must not lose its record.
         log.warning("model %s: the usage reader failed; usage not recorded", spec.model)
         return {}
-    usage: dict[str, float] = {}
-    for name, value in (found or {}).items():
-        key = _TOKEN_NAMES.get(name)
-        if key is not None and _amount(value):
-            usage[key] = value
     if "total_tokens" not in usage and ("input_tokens" in usage or "output_tokens" in usage):
         usage["total_tokens"] = usage.get("input_tokens", 0) + usage.get("output_tokens", 0)
     return usage

@@ -9,6 +9,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 import durably
 from durably import RunStatus
 from tests.conftest import fetch_sql
@@ -179,3 +181,34 @@ def test_an_input_over_the_limit_keeps_its_size_and_a_broken_reader_loses_nothin
     assert call["input_bytes"] > 5_000
     assert call["output"] == "x" * 10
     assert call["usage"] == {}
+
+
+def test_a_bad_model_name_is_refused_and_a_broken_usage_answer_loses_nothing(
+    make_app: MakeApp,
+) -> None:
+    app = make_app()
+    for bad in ("", "gpt\x1b[2J", None, 42):
+        with pytest.raises(durably.InvalidInput):
+            app.model(bad)  # type: ignore[arg-type]
+    with pytest.raises(durably.InvalidInput):
+        app.model("gpt-test", profile="v1\n")
+    asked = Counter[int]()
+
+    @app.model("gpt-test", usage=lambda answer: ["not", "a", "mapping"])  # type: ignore[arg-type,return-value]
+    def think(turn: int) -> dict[str, Any]:
+        asked[turn] += 1
+        return {"text": "ok"}
+
+    @app.workflow()
+    async def agent() -> Any:
+        first = await think(1)
+        await durably.wait_for_event("go")
+        return first
+
+    run = app.run(agent)
+    assert run.status is RunStatus.WAITING_EXTERNAL, run.error
+    app.send_event(run.run_id, "go", None)
+    app.worker().run(until_idle=True)
+    assert app.get_run(run.run_id).result == {"text": "ok"}
+    assert asked == Counter({1: 1})  # recorded although its usage could not be read
+    assert app.describe(run.run_id)["model_calls"][0]["usage"] == {}
