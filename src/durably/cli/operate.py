@@ -23,6 +23,13 @@ from durably.cli.render import echo, echo_decision, echo_json, echo_replay, echo
 from durably.status import PauseReason, ReplayMode, RunStatus
 
 Outcome = Literal["succeeded", "not_executed", "failed"]
+
+
+def by_option(did: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--by``: who ``did`` it (recorded), the operator by default."""
+    return click.option("--by", default=operator, show_default=OPERATOR_DEFAULT, help=f"Who {did}.")
+
+
 Decision = Literal["approved", "rejected"]
 
 
@@ -31,12 +38,7 @@ def _decision_command(decision: Decision) -> Callable[..., None]:
 
     @click.argument("run_id")
     @click.argument("approval_id", required=False)
-    @click.option(
-        "--by",
-        default=operator,
-        show_default=OPERATOR_DEFAULT,
-        help="Who decided (recorded with the approval and in the run's history).",
-    )
+    @by_option("decided (recorded with the approval and in the run's history)")
     @click.option("--comment", metavar="TEXT", help="Why; recorded with the decision.")
     @click.option("--json", "as_json", is_flag=True, help="Print the decided approval as JSON.")
     @pass_config
@@ -86,12 +88,7 @@ reject = cli.command(
     metavar="JSON",
     help="With --succeeded: the tool's result as JSON.",
 )
-@click.option(
-    "--by",
-    default=operator,
-    show_default=OPERATOR_DEFAULT,
-    help="Who resolved it (recorded in the run's history).",
-)
+@by_option("resolved it (recorded in the run's history)")
 @click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
 @pass_config
 def resolve(
@@ -191,12 +188,7 @@ def cancel(config: Config, run_id: str, compensate: bool, as_json: bool) -> None
 @cli.command()
 @click.argument("run_id")
 @click.option("--reason", metavar="TEXT", help="Why; shown with the paused run.")
-@click.option(
-    "--by",
-    default=operator,
-    show_default=OPERATOR_DEFAULT,
-    help="Who paused it (recorded in the run's history).",
-)
+@by_option("paused it (recorded in the run's history)")
 @click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
 @pass_config
 def pause(config: Config, run_id: str, reason: str | None, by: str, as_json: bool) -> None:
@@ -220,12 +212,7 @@ def pause(config: Config, run_id: str, reason: str | None, by: str, as_json: boo
 
 @cli.command()
 @click.argument("run_id")
-@click.option(
-    "--by",
-    default=operator,
-    show_default=OPERATOR_DEFAULT,
-    help="Who unpaused it (recorded in the run's history).",
-)
+@by_option("unpaused it (recorded in the run's history)")
 @click.option("--json", "as_json", is_flag=True, help="Print the run as JSON.")
 @pass_config
 def unpause(config: Config, run_id: str, by: str, as_json: bool) -> None:
