@@ -20,6 +20,7 @@ import json
 import sys
 from typing import Any
 
+from durably.cli.render import run_json
 from tests.crash.crashapp import app
 from tests.leases import wait_for_lease
 
@@ -40,14 +41,7 @@ async def main(argv: list[str]) -> dict[str, Any]:
             raise SystemExit(f"unknown mode {mode!r}")
     finally:
         await app.close_async()
-    return {
-        "run_id": run.run_id,
-        "status": run.status.value,
-        "status_reason": run.status_reason,
-        "result": run.result,
-        "error": run.error,
-        "waiting_for": run.waiting_for,
-    }
+    return run_json(run)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from datetime import timedelta
 from typing import Any
 
 import durably
+from durably.cli.render import run_json
 from durably.demo.shop import ShopService, get_json, post_json
 from tests.leases import wait_for_lease
 
@@ -168,15 +169,7 @@ async def execute(app: durably.App, argv: list[str]) -> dict[str, Any]:
         run = await app.run_async(workflow, run_id=run_id, **run_input)
     finally:
         await app.close_async()
-    return {
-        "run_id": run.run_id,
-        "status": run.status.value,
-        "status_reason": run.status_reason,
-        "result": run.result,
-        "error": run.error,
-        "waiting_for": run.waiting_for,
-        "model_calls": MODEL_CALLS[run_id],
-    }
+    return {**run_json(run), "model_calls": MODEL_CALLS[run_id]}
 
 
 def _child(app: durably.App, command: dict[str, Any]) -> None:
