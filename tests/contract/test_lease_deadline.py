@@ -391,3 +391,51 @@ def test_a_new_call_waits_for_the_recovered_call_another_branch_is_settling(
     assert events.index(("run_reconciled", None)) < events.index(
         ("effect_intent_recorded", "notify#1")
     )
+
+
+def test_a_new_call_waiting_for_a_recovered_call_stops_when_that_call_pauses_the_run(
+    make_app: MakeApp,
+) -> None:
+    """The recovered call cannot be settled without a person (the shop, asked, cannot
+    tell): the run pauses, and the other branch's new call, which waited while the shop
+    was asked, is never sent."""
+    app = make_app(lease_ttl=LEASE)
+    thaw = {"frozen": False}
+    sent: list[str] = []
+
+    async def slow_authorisation(op: durably.Operation) -> bool:
+        if not thaw["frozen"]:
+            thaw["frozen"] = True
+            frozen(LEASE.total_seconds() * 2.5)  # dies between its claim and its send
+        return True
+
+    async def ask_the_shop(op: durably.Operation) -> durably.Reconciliation:
+        await asyncio.sleep(0.3)
+        return durably.Reconciliation.unresolved("the shop cannot tell")
+
+    @app.tool(authorize=slow_authorisation, reconcile=ask_the_shop)
+    def charge() -> str:
+        sent.append("charge")
+        return "charged"
+
+    @app.tool(idempotent=True)
+    def notify() -> str:
+        sent.append("notify")
+        return "notified"
+
+    async def later() -> str:
+        # First execution: after the freeze. Recovery: as soon as the recovered call's
+        # own task has started, well before it can be judged.
+        await asyncio.sleep(0 if thaw["frozen"] else 0.05)
+        return await notify()
+
+    @app.workflow()
+    async def wf() -> list[str]:
+        return list(await asyncio.gather(charge.with_step_id("c")(), later()))
+
+    first = app.run(wf)
+    assert first.status is not RunStatus.COMPLETED
+    paused = finish_elsewhere(app, first.run_id)
+    assert paused.status is RunStatus.PAUSED, (paused.status, paused.error)
+    assert sent == []
+    assert "notify#1" not in {e["step_id"] for e in app.describe(first.run_id)["effects"]}
