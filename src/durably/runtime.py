@@ -157,7 +157,7 @@ class StepCall:
                 run_id=ctx.run.run_id,
                 step_id=self.step_id,
                 arguments=self.arguments,
-                answer=json.loads(output_json),
+                answer=value,  # JSON already: canonical_json accepted it
                 latency_s=latency_s,
                 limit=limit,
             )
