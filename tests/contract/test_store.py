@@ -119,6 +119,26 @@ def test_expired_lease_is_taken_over_and_old_owner_is_fenced(store: Store) -> No
     assert "run_recovered" in [e.type for e in run(store.events("r1"))]
 
 
+def test_a_step_commit_by_a_fenced_owner_writes_nothing(store: Store) -> None:
+    """A step's commit (on PostgreSQL one statement whose writes select from the fence) by
+    an owner that lost the lease leaves no step row, no event and the run row as it was."""
+    run(store.create_run(new_run()))
+    old = run(store.claim_run("r1", "w1", 0.05))
+    assert old is not None
+    time.sleep(0.1)
+    assert run(store.claim_next("w2", 30, ["wf|1"])) is not None
+    before = run(store.load_journal("r1"))
+    assert before is not None
+    step = StepWrite("s#1", 1, "step", "s", StepStatus.SUCCEEDED, "h", "1", settle=True)
+    with pytest.raises(LeaseLostError):
+        run(store.commit(old.lease, Transition(events=[EventWrite("late", "s#1")], step=step)))
+    after = run(store.load_journal("r1"))
+    assert after is not None
+    assert after.steps == []
+    assert after.run == before.run
+    assert "late" not in [e.type for e in run(store.events("r1"))]
+
+
 def test_commit_assigns_gap_free_sequences(store: Store) -> None:
     """Events get consecutive sequences per run, across commits."""
     run(store.create_run(new_run()))

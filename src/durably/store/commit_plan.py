@@ -34,9 +34,14 @@ from durably.store.rows import Row, loads
 # -- the commit: fence, refusals, then the rest ------------------------------------------
 
 
-def commit(guard: Lease | Expect, t: Transition) -> Plan[Committed]:
+def commit(
+    guard: Lease | Expect, t: Transition, *, step_statement: bool = False
+) -> Plan[Committed]:
     """``Store.commit``: refused (nothing applies) unless the guard still holds, the
-    operation's row is as expected, the signal is unconsumed and the approval usable."""
+    operation's row is as expected, the signal is unconsumed and the approval usable.
+
+    ``step_statement``: the backend has ``commit_step``, a step's commit as one statement.
+    """
     run_id = guard.run_id
     if isinstance(guard, Lease):
         fence = (
@@ -57,6 +62,8 @@ def commit(guard: Lease | Expect, t: Transition) -> Plan[Committed]:
         )
     refusing = [fence]
     if isinstance(guard, Lease) and _one_round(t):
+        if step_statement and len(t.events) == 1 and t.step is not None:
+            return (yield from _commit_step(guard, t))
         return (yield from _commit_in_one_round(guard, t, fence))
     o = t.operation
     if o is not None:
@@ -162,6 +169,28 @@ def _commit_in_one_round(guard: Lease, t: Transition, fence: Query) -> Plan[Comm
     if t.step is not None:
         queries.append(("upsert_step_fenced", {**held, **_step(t.step), "settle": t.step.settle}))
     fenced, *_ = yield Round(queries, final=True)
+    if not fenced:
+        raise lease_lost(guard)
+    return _committed(fenced[0], None)
+
+
+def _commit_step(guard: Lease, t: Transition) -> Plan[Committed]:
+    """A step's commit (one event and the step row) as one statement: a statement costs the
+    client more than anything else in the commit, so this is the cheapest the fence allows."""
+    assert t.step is not None
+    (e,) = t.events
+    params = {
+        "run_id": guard.run_id,
+        "owner": guard.owner,
+        "epoch": guard.epoch,
+        "ttl": guard.ttl_s,
+        "type": e.type,
+        "event_step_id": e.step_id,
+        "payload_json": plain_json(e.payload),
+        **_step(t.step),
+        "settle": t.step.settle,
+    }
+    (fenced,) = yield Round([("commit_step", params)], final=True)
     if not fenced:
         raise lease_lost(guard)
     return _committed(fenced[0], None)

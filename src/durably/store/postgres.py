@@ -69,6 +69,8 @@ async def _script(db: AsyncConn, statements: Sequence[Statement]) -> list[Rows]:
 class PostgresStore(SQLStore):
     """Store on PostgreSQL; any number of worker processes may share it."""
 
+    _step_statement = True
+
     def __init__(self, url: str, *, pool_size: int = 10, connect_timeout_s: float = 10.0) -> None:
         self.url = url
         self.pool_size = pool_size

@@ -39,6 +39,9 @@ class SQLStore(Store):
 
     # -- what a backend supplies --------------------------------------------------------
 
+    _step_statement = False
+    """Whether the dialect has ``commit_step``: a step's whole commit as one statement."""
+
     @abc.abstractmethod
     async def _run(
         self, plan: Callable[[], Plan[T]], *, idempotent: bool = False, read_only: bool = False
@@ -119,7 +122,9 @@ class SQLStore(Store):
         return await self._run(lambda: plans.expire_leases(self._list(owners)))
 
     async def commit(self, guard: Lease | Expect, transition: Transition) -> Committed:
-        return await self._run(lambda: commit_plan.commit(guard, transition))
+        return await self._run(
+            lambda: commit_plan.commit(guard, transition, step_statement=self._step_statement)
+        )
 
     async def deliver_signal(
         self, run_id: str, event_id: str, name: str, payload_json: str

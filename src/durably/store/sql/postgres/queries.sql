@@ -224,6 +224,39 @@ ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
     settled_sequence = coalesce(excluded.settled_sequence, durably_steps.settled_sequence),
     updated_at = excluded.updated_at;
 
+-- name: commit_step
+-- A step's commit as one statement (the fence, its one event and the step row): the writes
+-- select from the fence's RETURNING, so none applies unless the lease holds. No row: lost.
+WITH fence AS (
+    UPDATE durably_runs SET last_sequence = last_sequence + 1,
+        state_version = state_version + 1,
+        lease_until = extract(epoch FROM now()) + %(ttl)s,
+        updated_at = extract(epoch FROM now())
+    WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+    RETURNING run_id, last_sequence, state_version, lease_until, cancel_requested,
+        pause_requested
+), event AS (
+    INSERT INTO durably_events (run_id, sequence, type, step_id, payload_json, created_at)
+    SELECT run_id, last_sequence, %(type)s, %(event_step_id)s, %(payload_json)s,
+        extract(epoch FROM now())
+    FROM fence
+), step AS (
+    INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, input_hash,
+        output_json, error_json, idempotency_key, attempts, settled_sequence, created_at,
+        updated_at, model_call_json)
+    SELECT run_id, %(step_id)s, %(position)s, %(kind)s, %(name)s, %(status)s, %(input_hash)s,
+        %(output_json)s, %(error_json)s, %(idempotency_key)s, %(attempts)s,
+        CASE WHEN %(settle)s THEN last_sequence END, extract(epoch FROM now()),
+        extract(epoch FROM now()), %(model_call_json)s
+    FROM fence
+    ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
+        output_json = excluded.output_json, error_json = excluded.error_json,
+        attempts = excluded.attempts, model_call_json = excluded.model_call_json,
+        settled_sequence = coalesce(excluded.settled_sequence, durably_steps.settled_sequence),
+        updated_at = excluded.updated_at
+)
+SELECT last_sequence, state_version, lease_until, cancel_requested, pause_requested FROM fence;
+
 -- name: upsert_step
 -- A step-ledger row; settled_sequence, once set, stays.
 INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, input_hash,
