@@ -61,8 +61,8 @@ async def start(
     *,
     run_id: str | None,
     tenant: str,
-) -> str:
-    """Record a new queued run of ``wf`` (idempotent on ``run_id``) and return its id."""
+) -> RunRecord:
+    """Record a new queued run of ``wf`` (idempotent on ``run_id``) and return it."""
     if run_id is not None:
         check_id(run_id, "run id")
     check_id(tenant, "tenant")
@@ -98,14 +98,18 @@ async def start(
             "use a new run_id for a new run",
             run_id=new.run_id,
         )
-    return record.run_id
+    return record
 
 
-async def execute(engine: Engine, run_id: str, *, owner: str | None = None) -> None:
-    """Execute a runnable run in this process, if no live worker holds it."""
+async def execute(
+    engine: Engine, run_id: str, *, owner: str | None = None, record: RunRecord | None = None
+) -> None:
+    """Execute a runnable run in this process, if no live worker holds it. ``record``: the
+    run as its caller just read or created it (its workflow and version are checked)."""
     check_ref(run_id, "run id")
     store = await engine.open()
-    record = await store.get_run(run_id)
+    if record is None:
+        record = await store.get_run(run_id)
     if record is None:
         raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
     wf = engine.registry.workflow_def(record.workflow)
@@ -138,7 +142,7 @@ async def resolve_effect(
     check_text(step_id, "step id")
     check_text(by, "by")
     store = await engine.open()
-    journal = await store.load_journal(run_id, checkpoints=runtime.CHECKPOINTS_READ)
+    journal = await store.load_journal(run_id)
     if journal is None:
         raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
     run = journal.run

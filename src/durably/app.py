@@ -158,7 +158,8 @@ class App(Registration):
     ) -> str:
         """Record a new queued run (idempotent on ``run_id``) and return its id."""
         wf = self._resolve_workflow(workflow)
-        return await actions.start(self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
+        record = await actions.start(self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
+        return record.run_id
 
     def start(
         self,
@@ -182,8 +183,10 @@ class App(Registration):
         **kwargs: Any,
     ) -> Run:
         """Start (or find) a run and execute it here until it completes, fails or stops."""
-        rid = await self.start_async(workflow, *args, run_id=run_id, tenant=tenant, **kwargs)
-        return await self.execute_async(rid)
+        wf = self._resolve_workflow(workflow)
+        record = await actions.start(self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
+        await actions.execute(self.engine, record.run_id, record=record)
+        return await self.get_run_async(record.run_id)
 
     def run(
         self,

@@ -49,10 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("durably")
 
-CHECKPOINTS_READ = 3
-"""Checkpoints read on resume; more are read only when all of these fail their checksum."""
-
-
 _PAUSE_REASONS: dict[type[BaseException], PauseReason] = {
     NonDeterminismError: PauseReason.NON_DETERMINISM,
     IdempotencyConflict: PauseReason.IDEMPOTENCY_CONFLICT,
@@ -216,7 +212,7 @@ async def load_context(engine: Engine, claim: Claim) -> RunContext:
     """Read and verify the run's journal; raises CheckpointCorrupted if it cannot be trusted,
     CheckpointNotMigratable if its checkpoint cannot be read by this code."""
     store = engine.store
-    journal = await store.load_journal(claim.run.run_id, checkpoints=CHECKPOINTS_READ)
+    journal = claim.journal or await store.load_journal(claim.run.run_id)
     assert journal is not None, "a claimed run exists"
     state, corrupted = await verified(store, journal, engine.secret_key)
     ctx = RunContext(

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from durably.errors import LeaseLostError
-from durably.status import RunStatus
+from durably.status import RunStatus, StepStatus
 from durably.store import open_store
-from durably.store.base import EventWrite, Store, Transition
+from durably.store.base import EventWrite, StepWrite, Store, Transition
 from tests.contract.test_store import new_run, run, store  # noqa: F401 - the fixture
 
 WORKFLOWS = ["wf|1"]
@@ -38,6 +38,31 @@ def test_a_batch_leases_up_to_its_limit_oldest_first(store: Store) -> None:  # n
     assert run(store.claim_batch("w2", 30, [], 10)) == []
     # Each claimed run's lease works like any other: its holder commits.
     run(store.commit(first[0].lease, Transition(events=[EventWrite("mine")])))
+
+
+def test_each_claim_carries_its_runs_journal_as_its_transaction_left_it(
+    store: Store,  # noqa: F811
+) -> None:
+    """A claim reads each run's journal in its own transaction: the new holder needs no read
+    of its own, and a recovered run's journal already holds its ``run_recovered``."""
+    for i in range(3):
+        run(store.create_run(new_run(f"r{i}")))
+    held = run(store.claim_run("r1", "w1", 0.05))
+    assert held is not None
+    step = StepWrite("s#1", 1, "step", "s", StepStatus.SUCCEEDED, "h", "1", settle=True)
+    run(store.commit(held.lease, Transition(events=[EventWrite("done", "s#1")], step=step)))
+    time.sleep(0.1)
+    claims = sorted(run(store.claim_batch("w2", 30, WORKFLOWS, 10)), key=lambda c: c.run.run_id)
+    assert [c.run.run_id for c in claims] == ["r0", "r1", "r2"]
+    for claim in claims:
+        assert claim.journal is not None
+        assert claim.journal == run(store.load_journal(claim.run.run_id))
+        assert claim.journal.run.lease_owner == "w2"
+    recovered = claims[1].journal
+    assert recovered is not None
+    assert [s.step_id for s in recovered.steps] == ["s#1"]
+    assert [e.type for e in recovered.recent_events][-1] == "run_recovered"
+    assert claims[0].journal is not None and claims[0].journal.steps == []
 
 
 def test_a_batch_recovers_expired_leases_and_fences_their_old_holder(

@@ -309,6 +309,11 @@ class Committed:
     """The operator's pause request, if any: the run pauses at its next boundary."""
 
 
+CHECKPOINTS_READ = 3
+"""Checkpoints a journal holds (the latest first); more are read only when all of these fail
+their checksum."""
+
+
 @dataclass(frozen=True)
 class Journal:
     """What a worker needs to resume a run, read in one transaction.
@@ -341,6 +346,9 @@ class Claim:
     sent_at: float = 0.0
     """``time.monotonic()`` just before the claim was sent: the lease runs out no earlier
     than ``sent_at + ttl`` by this process's clock."""
+    journal: Journal | None = None
+    """The run's journal as the claim's transaction left it (with ``CHECKPOINTS_READ``
+    checkpoints): what the new holder resumes from, without a read of its own."""
 
 
 class Store(abc.ABC):
@@ -410,7 +418,9 @@ class Store(abc.ABC):
     ) -> list[RunRecord]: ...
 
     @abc.abstractmethod
-    async def load_journal(self, run_id: str, *, checkpoints: int = 3) -> Journal | None: ...
+    async def load_journal(
+        self, run_id: str, *, checkpoints: int = CHECKPOINTS_READ
+    ) -> Journal | None: ...
 
     @abc.abstractmethod
     async def events(self, run_id: str, *, after: int = 0) -> list[Event]: ...

@@ -25,6 +25,7 @@ from durably.errors import InvalidTransition, LeaseLostError, RunNotFound
 from durably.keys import plain_json
 from durably.status import RunStatus
 from durably.store.base import (
+    CHECKPOINTS_READ,
     Approval,
     Claim,
     Journal,
@@ -144,22 +145,31 @@ def expire_leases(owners: Any) -> Plan[int]:
 
 def claim(pick: Plan[Rows], owner: str, ttl_s: float, sent_at: float) -> Plan[list[Claim]]:
     """The claims of the runs ``pick`` leased (their rows as leased, with ``old_status``,
-    ``old_owner`` and ``old_until`` from before), recording each recovery: one round for
-    however many runs, so a batch costs a single claim's round trips."""
+    ``old_owner`` and ``old_until`` from before), recording each recovery and reading each
+    journal: one more round for however many runs, so a batch costs a single claim's round
+    trips, and the new holder resumes from what its claim's own transaction read."""
     rows = yield from pick
-    claims: list[Claim] = []
+    if not rows:
+        return []
     recoveries: list[Query] = []
+    reads: list[list[Query]] = []
     for row in rows:
-        # In flight under any owner (a dead worker, or this one after a failed commit or a
-        # cut connection): its effects are reconciled before anything else.
-        recovered = row["old_status"] != RunStatus.QUEUED and row["old_owner"] is not None
-        run = run_from_row(row)
-        if recovered:
+        if _recovered(row):
+            run_id = row["run_id"]
             payload = {"previous_owner": row["old_owner"], "lease_until": row["old_until"]}
             recoveries += [
-                ("next_sequence", {"run_id": run.run_id}),
-                insert_event(run.run_id, run.last_sequence + 1, "run_recovered", None, payload),
+                ("next_sequence", {"run_id": run_id}),
+                insert_event(run_id, row["last_sequence"] + 1, "run_recovered", None, payload),
             ]
+        reads.append(_journal_queries(row["run_id"], CHECKPOINTS_READ))
+    # After the recoveries, in the same transaction: each journal holds its run_recovered.
+    answers = yield Round([*recoveries, *(q for r in reads for q in r)], final=True)
+    answers = answers[len(recoveries) :]
+    claims: list[Claim] = []
+    for row, queries in zip(rows, reads, strict=True):
+        journal, answers = _journal(answers[: len(queries)]), answers[len(queries) :]
+        run = run_from_row(row)
+        recovered = _recovered(row)
         claims.append(
             Claim(
                 run=run,
@@ -167,11 +177,16 @@ def claim(pick: Plan[Rows], owner: str, ttl_s: float, sent_at: float) -> Plan[li
                 recovered=recovered,
                 previous_lease_until=row["old_until"] if recovered else None,
                 sent_at=sent_at,
+                journal=journal,
             )
         )
-    if recoveries:
-        yield Round(recoveries, final=True)
     return claims
+
+
+def _recovered(claimed: Row) -> bool:
+    """Whether a claimed run was in flight under any owner (a dead worker, or this one after
+    a failed commit or a cut connection): its effects are reconciled before anything else."""
+    return bool(claimed["old_status"] != RunStatus.QUEUED and claimed["old_owner"] is not None)
 
 
 def deliver_signal(run_id: str, event_id: str, name: str, payload_json: str) -> Plan[bool]:
@@ -253,20 +268,27 @@ def request_cancel(run_id: str, compensate: bool) -> Plan[RunRecord]:
 
 def load_journal(run_id: str, checkpoints: int) -> Plan[Journal | None]:
     """What a worker resumes from, in one round of a read-only snapshot."""
-    run, steps, ops, cps, signals, approvals, recent = yield Round(
-        [
-            ("get_run", {"run_id": run_id}),
-            ("steps", {"run_id": run_id}),
-            # Every operation has its step row (same transaction), so the steps' keys find
-            # them without an index on run_id to maintain per effect.
-            ("operations", {"run_id": run_id}),
-            ("latest_checkpoints", {"run_id": run_id, "limit": checkpoints}),
-            ("pending_signals", {"run_id": run_id}),
-            ("approvals", {"run_id": run_id, "approval_id": None}),
-            ("events_after_checkpoint", {"run_id": run_id}),
-        ],
-        final=True,
-    )
+    answers = yield Round(_journal_queries(run_id, checkpoints), final=True)
+    return _journal(answers)
+
+
+def _journal_queries(run_id: str, checkpoints: int) -> list[Query]:
+    """The reads of a run's journal, answered in this order (see :func:`_journal`)."""
+    return [
+        ("get_run", {"run_id": run_id}),
+        ("steps", {"run_id": run_id}),
+        # Every operation has its step row (same transaction), so the steps' keys find
+        # them without an index on run_id to maintain per effect.
+        ("operations", {"run_id": run_id}),
+        ("latest_checkpoints", {"run_id": run_id, "limit": checkpoints}),
+        ("pending_signals", {"run_id": run_id}),
+        ("approvals", {"run_id": run_id, "approval_id": None}),
+        ("events_after_checkpoint", {"run_id": run_id}),
+    ]
+
+
+def _journal(answers: list[Rows]) -> Journal | None:
+    run, steps, ops, cps, signals, approvals, recent = answers
     if not run:
         return None
     return Journal(
