@@ -62,7 +62,8 @@ def test_each_claim_carries_its_runs_journal_as_its_transaction_left_it(
     assert recovered is not None
     assert [s.step_id for s in recovered.steps] == ["s#1"]
     assert [e.type for e in recovered.recent_events][-1] == "run_recovered"
-    assert claims[0].journal is not None and claims[0].journal.steps == []
+    assert claims[0].journal is not None
+    assert claims[0].journal.steps == []
 
 
 def test_a_batch_recovers_expired_leases_and_fences_their_old_holder(
