@@ -61,7 +61,12 @@ class Engine:
             except BaseException:
                 await store.close()  # a caller that tries again opens a new one
                 raise
-            self._store = store
+            if self._store is None:
+                self._store = store
+            else:
+                # Another first use opened it while this one migrated (a worker starting
+                # beside a read): one store, or the other's connections outlive the App.
+                await store.close()
         return self._store
 
     async def close(self) -> None:

@@ -1034,3 +1034,18 @@ def test_a_worker_rechecks_a_run_paused_at_a_tool_that_can_reconcile(make_app: M
     assert app.get_run(alone.run_id).status is RunStatus.PAUSED
     resumed = [e for e in app.events(asked.run_id) if e.type == "run_resumed"]
     assert [e.payload["by"] for e in resumed] == ["recheck"]
+
+
+def test_concurrent_first_uses_of_an_app_share_one_store(make_app: MakeApp) -> None:
+    """Two first uses at once (a worker starting beside a read) open one store: a second
+    one, dropped, would keep its connections and pool tasks alive past ``close``."""
+    app = make_app()
+
+    async def both() -> tuple[bool, bool]:
+        try:
+            first, second = await asyncio.gather(app.open(), app.open())
+            return first is second, first is app.store
+        finally:
+            await app.close_async()
+
+    assert asyncio.run(both()) == (True, True)
