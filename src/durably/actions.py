@@ -63,6 +63,44 @@ async def start(
     tenant: str,
 ) -> RunRecord:
     """Record a new queued run of ``wf`` (idempotent on ``run_id``) and return it."""
+    new = await _new_run(engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
+    record, created = await engine.store.create_run(new)
+    return _started(new, record, created)
+
+
+async def start_and_execute(
+    engine: Engine,
+    wf: WorkflowDef,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    run_id: str | None,
+    tenant: str,
+) -> str:
+    """``start``, then ``execute`` here: a new run is leased to this process by the
+    transaction that records it (one commit less, and no worker takes it meanwhile)."""
+    new = await _new_run(engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
+    owner = owners.owner_name("inproc")
+    ttl_s = engine.lease_ttl.total_seconds()
+    record, created, claim = await engine.store.start_run(new, owner, ttl_s)
+    _started(new, record, created)
+    if claim is not None:
+        await runtime.drive(engine, claim)
+    elif not created:
+        await execute(engine, record.run_id, owner=owner, record=record)
+    return record.run_id
+
+
+async def _new_run(
+    engine: Engine,
+    wf: WorkflowDef,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    run_id: str | None,
+    tenant: str,
+) -> NewRun:
+    """A new run of ``wf`` as recorded, its input checked; the store is open."""
     if run_id is not None:
         check_id(run_id, "run id")
     check_id(tenant, "tenant")
@@ -73,14 +111,14 @@ async def start(
             f"workflow {wf.name} cannot take this input ({exc}); its signature is "
             f"{wf.name}{inspect.signature(wf.fn)}"
         ) from None
-    store = await engine.open()
+    await engine.open()
     run_input = {"args": list(args), "kwargs": kwargs}
     input_json = canonical_json(
         run_input, what=f"the input of {wf.name}", limit=engine.max_payload_bytes
     )
     ih = sha256_hex(canonical_json({"workflow": wf.name, "input": run_input}))
     run_id = run_id or new_run_id()
-    new = NewRun(
+    return NewRun(
         run_id=run_id,
         tenant=tenant,
         workflow=wf.name,
@@ -91,8 +129,11 @@ async def start(
         key_scheme=KEY_SCHEME,
         receipt=receipt(engine, run_id),
     )
-    record, created = await store.create_run(new)
-    if not created and (record.input_hash != ih or record.tenant != tenant):
+
+
+def _started(new: NewRun, record: RunRecord, created: bool) -> RunRecord:
+    """The run ``new`` asked for, unless its id is another run's."""
+    if not created and (record.input_hash != new.input_hash or record.tenant != new.tenant):
         raise IdempotencyConflict(
             f"run {new.run_id} already exists with another workflow, input or tenant; "
             "use a new run_id for a new run",

@@ -184,9 +184,10 @@ class App(Registration):
     ) -> Run:
         """Start (or find) a run and execute it here until it completes, fails or stops."""
         wf = self._resolve_workflow(workflow)
-        record = await actions.start(self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
-        await actions.execute(self.engine, record.run_id, record=record)
-        return await self.get_run_async(record.run_id)
+        rid = await actions.start_and_execute(
+            self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant
+        )
+        return await self.get_run_async(rid)
 
     def run(
         self,

@@ -91,6 +91,29 @@ def test_create_run_is_idempotent_on_run_id(store: Store) -> None:
     assert [e.type for e in events] == ["run_started"]
 
 
+def test_start_run_creates_and_leases_the_run_in_one_transaction(store: Store) -> None:
+    """``start_run`` records the run and leases it to its creator at once (its journal read
+    in the same transaction); a run that exists already is returned, not claimed."""
+    receipt = JournalState("r1").draft(status="queued", current_step=None)
+    record, created, claim = run(store.start_run(replace(new_run(), receipt=receipt), "me", 30))
+    assert created
+    assert claim is not None
+    assert record.run_id == claim.run.run_id == "r1"
+    assert not claim.recovered
+    assert (claim.lease.owner, claim.lease.epoch) == ("me", 1)
+    stored = run(store.get_run("r1"))
+    assert stored is not None
+    assert (stored.status, stored.lease_owner, stored.lease_epoch) == (RunStatus.RUNNING, "me", 1)
+    assert claim.journal == run(store.load_journal("r1"))
+    assert len(claim.journal.checkpoints) == 1  # the receipt
+    assert [e.type for e in run(store.events("r1"))] == ["run_started"]
+    # Held by "me": nobody else claims it, and starting it again claims nothing.
+    assert run(store.claim_next("w2", 30, ["wf|1"])) is None
+    again, created_again, no_claim = run(store.start_run(new_run(), "w2", 30))
+    assert (again.run_id, created_again, no_claim) == ("r1", False, None)
+    run(store.commit(claim.lease, Transition(events=[EventWrite("mine")])))
+
+
 def test_only_one_owner_claims_a_run(store: Store) -> None:
     """A live lease excludes every other claimer; the epoch grows on each claim."""
     run(store.create_run(new_run()))

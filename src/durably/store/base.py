@@ -372,6 +372,14 @@ class Store(abc.ABC):
         """Insert a queued run (with its ``run_started`` event) or return the existing one."""
 
     @abc.abstractmethod
+    async def start_run(
+        self, new: NewRun, owner: str, ttl_s: float
+    ) -> tuple[RunRecord, bool, Claim | None]:
+        """``create_run``, and the new run leased to ``owner`` in the same transaction (the
+        run is executed by its creator: ``App.run``). An existing run is returned as it is,
+        not claimed."""
+
+    @abc.abstractmethod
     async def claim_run(self, run_id: str, owner: str, ttl_s: float) -> Claim | None:
         """Lease this run if it is runnable and not leased by someone alive."""
 

@@ -118,15 +118,41 @@ def create_run(new: NewRun) -> Plan[tuple[RunRecord, bool]]:
     read the existing one."""
     (inserted,) = yield Round([("insert_run", vars(new))])
     if inserted:
-        payload = {"workflow": new.workflow, "version": new.workflow_version}
-        queries = [insert_event(new.run_id, 1, "run_started", None, payload)]
-        if new.receipt is not None:
-            # The task is received: a recoverable boundary before anything runs.
-            queries.append(insert_checkpoint(new.receipt, inserted[0]["state_version"], 1))
-        yield Round(queries, final=True, notify=True)
+        yield Round(_received(new, inserted[0]), final=True, notify=True)
         return run_from_row(inserted[0]), True
     (existing,) = yield Round([("get_run", {"run_id": new.run_id})], final=True)
     return run_from_row(existing[0]), False
+
+
+def start_run(new: NewRun, claim: Plan[list[Claim]]) -> Plan[tuple[RunRecord, bool, Claim | None]]:
+    """``create_run``, then ``claim`` (of the new run) in the same transaction, its first
+    round sent with the new run's event and checkpoint: the run's creator executes it, and
+    no worker is woken for it."""
+    (inserted,) = yield Round([("insert_run", vars(new))])
+    if not inserted:
+        (existing,) = yield Round([("get_run", {"run_id": new.run_id})], final=True)
+        return run_from_row(existing[0]), False, None
+    received = _received(new, inserted[0])
+    picking = next(claim)
+    answers = yield Round([*received, *picking.queries], final=picking.final)
+    answers = answers[len(received) :]
+    while True:
+        try:
+            picking = claim.send(answers)
+        except StopIteration as claimed:
+            claims: list[Claim] = claimed.value
+            return run_from_row(inserted[0]), True, claims[0] if claims else None
+        answers = yield picking
+
+
+def _received(new: NewRun, inserted: Row) -> list[Query]:
+    """A new run's ``run_started`` event and its receipt checkpoint."""
+    payload = {"workflow": new.workflow, "version": new.workflow_version}
+    queries = [insert_event(new.run_id, 1, "run_started", None, payload)]
+    if new.receipt is not None:
+        # The task is received: a recoverable boundary before anything runs.
+        queries.append(insert_checkpoint(new.receipt, inserted["state_version"], 1))
+    return queries
 
 
 def expire_leases(owners: Any) -> Plan[int]:
@@ -163,6 +189,8 @@ def claim(pick: Plan[Rows], owner: str, ttl_s: float, sent_at: float) -> Plan[li
             ]
         reads.append(_journal_queries(row["run_id"], CHECKPOINTS_READ))
     # After the recoveries, in the same transaction: each journal holds its run_recovered.
+    # Every writer of a run's journal locks its row first, and this claim holds those locks:
+    # the reads agree with each other without a snapshot of their own.
     answers = yield Round([*recoveries, *(q for r in reads for q in r)], final=True)
     answers = answers[len(recoveries) :]
     claims: list[Claim] = []

@@ -76,6 +76,20 @@ class SQLStore(Store):
         # Idempotent: a retry after a lost COMMIT finds the run it created.
         return await self._run(lambda: plans.create_run(new), idempotent=True)
 
+    async def start_run(
+        self, new: NewRun, owner: str, ttl_s: float
+    ) -> tuple[RunRecord, bool, Claim | None]:
+        sent_at = time.monotonic()
+        params = {"run_id": new.run_id, "owner": owner, "ttl": ttl_s}
+
+        def plan() -> plans.Plan[tuple[RunRecord, bool, Claim | None]]:
+            claim = plans.claim(self._pick("claim_run", params), owner, ttl_s, sent_at)
+            return plans.start_run(new, claim)
+
+        # Idempotent: a retry after a lost COMMIT finds the run, leased to this owner, whose
+        # claim_run then takes it again.
+        return await self._run(plan, idempotent=True)
+
     async def claim_run(self, run_id: str, owner: str, ttl_s: float) -> Claim | None:
         claims = await self._claim("claim_run", {"run_id": run_id}, owner, ttl_s)
         return claims[0] if claims else None
