@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from durably import faults
@@ -357,7 +357,7 @@ class RunContext(CallIdentity, JoinsApprovals):
         async with self.lock:
             if self.stopped:
                 raise Suspend
-            before = replace(self.journal)
+            before = self.journal.copy()
             if settle is not None:
                 self.journal.settle(*settle)
             if effect is not None:
