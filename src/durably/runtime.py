@@ -77,7 +77,7 @@ def call_step(
     if sdef.canonical is not None:
         arguments = {"canonical": sdef.canonical(*args, **kwargs)}
     else:
-        arguments = bind_arguments(sdef.signature, sdef.name, args, kwargs)
+        arguments = bind_arguments(sdef, args, kwargs)
     ih = input_hash(sdef.name, sdef.version, arguments)
     ctx.replayed(step_id, position, "step", sdef.name, ih)
     call = StepCall(ctx, sdef, step_id, position, ih, arguments)
