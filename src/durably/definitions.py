@@ -59,13 +59,13 @@ class Budget:
 
     def exceeded(self, usage: dict[str, float]) -> str | None:
         """Which limit ``usage`` is over, if any."""
-        limits = {
-            "steps": self.max_steps,
-            "tool_calls": self.max_tool_calls,
-            "cost": self.max_cost,
-            "tokens": self.max_tokens,
-        }
-        for what, limit in limits.items():
+        limits = (
+            ("steps", self.max_steps),
+            ("tool_calls", self.max_tool_calls),
+            ("cost", self.max_cost),
+            ("tokens", self.max_tokens),
+        )
+        for what, limit in limits:
             if limit is not None and usage.get(what, 0) > limit:
                 return f"{what} {usage[what]:g} > {limit:g}"
         return None

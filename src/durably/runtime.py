@@ -84,7 +84,7 @@ def call_step(
     return ctx.created(step_id, sdef.name, call.settle(args, kwargs))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class StepCall:
     """One call of a step: replayed from the journal, or run (with retries) and recorded."""
 
