@@ -123,8 +123,13 @@ class CallIdentity:
         journal holds no call at all here."""
         step = self.steps.get(step_id)
         if step is None:
-            other = self.by_position.get((prefix_of(step_id, name), position))
-            if position and other is not None:
+            # A new run has nothing recorded by position: no prefix to work out.
+            other = (
+                self.by_position.get((prefix_of(step_id, name), position))
+                if position and self.by_position
+                else None
+            )
+            if other is not None:
                 raise self.diverged(
                     "other_call",
                     step_id,

@@ -197,6 +197,14 @@ class JournalState:
     unchecked: int = 0
     """Results settled since the last checkpoint drafted."""
 
+    def copy(self) -> JournalState:
+        """A copy to go back to if a commit is refused. Shallow, as ``dataclasses.replace``
+        made it at several times the cost (every commit takes one): no field is changed in
+        place (``budget`` is replaced, ``recent_effects`` is a tuple)."""
+        twin = object.__new__(JournalState)
+        twin.__dict__.update(self.__dict__)
+        return twin
+
     def settle(self, step_id: str, output_hash: str) -> None:
         """Add a result to the journal, by the sha256 of its JSON (its event's
         ``output_hash``: computed once per result)."""

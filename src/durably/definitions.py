@@ -59,13 +59,13 @@ class Budget:
 
     def exceeded(self, usage: dict[str, float]) -> str | None:
         """Which limit ``usage`` is over, if any."""
-        limits = {
-            "steps": self.max_steps,
-            "tool_calls": self.max_tool_calls,
-            "cost": self.max_cost,
-            "tokens": self.max_tokens,
-        }
-        for what, limit in limits.items():
+        limits = (
+            ("steps", self.max_steps),
+            ("tool_calls", self.max_tool_calls),
+            ("cost", self.max_cost),
+            ("tokens", self.max_tokens),
+        )
+        for what, limit in limits:
             if limit is not None and usage.get(what, 0) > limit:
                 return f"{what} {usage[what]:g} > {limit:g}"
         return None
@@ -86,8 +86,24 @@ class WorkflowDef:
         return version == self.version or version in self.migrates_from
 
 
+class Signed:
+    """A registered callable's signature, and what binding a call to it needs."""
+
+    name: str
+    signature: inspect.Signature
+
+    @functools.cached_property
+    def positional(self) -> tuple[str, ...] | None:
+        """The parameter names if each may be given by position or keyword: a call passing
+        all of them by position binds them in this order (see :func:`bind_arguments`)."""
+        params = self.signature.parameters.values()
+        if all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+            return tuple(self.signature.parameters)
+        return None
+
+
 @dataclass(frozen=True)
-class StepDef:
+class StepDef(Signed):
     name: str
     fn: Callable[..., Any]
     version: str
@@ -116,7 +132,7 @@ Reconciler = Callable[[Operation], Reconciliation | Any]
 
 
 @dataclass(frozen=True)
-class ToolDef:
+class ToolDef(Signed):
     name: str
     fn: Callable[..., Any]
     version: str
@@ -181,22 +197,16 @@ def signature_of(fn: Callable[..., Any]) -> inspect.Signature:
         )
 
 
-_POSITIONAL_OR_KEYWORD = inspect.Parameter.POSITIONAL_OR_KEYWORD
-
-
 def bind_arguments(
-    signature: inspect.Signature, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    definition: Signed, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
     """The call's arguments by parameter name, defaults applied: what the input hash covers."""
-    params = signature.parameters
-    if (
-        not kwargs
-        and len(args) == len(params)
-        and all(p.kind is _POSITIONAL_OR_KEYWORD for p in params.values())
-    ):
+    positional = definition.positional
+    if positional is not None and not kwargs and len(args) == len(positional):
         # Every parameter given by position: what bind() would find, at a tenth of its cost
         # (this runs for every call, replayed ones included).
-        return dict(zip(params, args, strict=True))
+        return dict(zip(positional, args, strict=True))
+    signature, name = definition.signature, definition.name
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:

@@ -9,11 +9,10 @@ can swallow it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from durably import faults
@@ -306,18 +305,13 @@ class RunContext(CallIdentity, JoinsApprovals):
         if self.closing:
             raise Suspend
 
-    @contextlib.asynccontextmanager
-    async def in_flight(self, call: int, *, asking: bool = False) -> AsyncIterator[None]:
+    def in_flight(self, call: int, *, asking: bool = False) -> InFlight:
         """A tool call between its start and its recorded outcome: the run is released only
         after it lands. None starts once the execution is closing, but one ``asking`` for
         an approval while the run is being suspended for approvals: it only joins them."""
         if self.closing and not (asking and self.awaited is not None):
             raise Suspend
-        self.inflight[call] = asyncio.get_running_loop().create_future()
-        try:
-            yield
-        finally:
-            self.landed(call)
+        return InFlight(self, call)
 
     def landed(self, call: int) -> None:
         done = self.inflight.pop(call, None)
@@ -357,7 +351,7 @@ class RunContext(CallIdentity, JoinsApprovals):
         async with self.lock:
             if self.stopped:
                 raise Suspend
-            before = replace(self.journal)
+            before = self.journal.copy()
             if settle is not None:
                 self.journal.settle(*settle)
             if effect is not None:
@@ -404,6 +398,23 @@ class RunContext(CallIdentity, JoinsApprovals):
                 lambda: ending(RunStatus.PAUSED, PauseReason.BUDGET_EXCEEDED, error, self)
             )
         )
+
+
+class InFlight:
+    """``async with ctx.in_flight(call)``: a class, not an @asynccontextmanager, because
+    every step enters one, and a generator-based one costs several times as much."""
+
+    __slots__ = ("_call", "_ctx")
+
+    def __init__(self, ctx: RunContext, call: int) -> None:
+        self._ctx = ctx
+        self._call = call
+
+    async def __aenter__(self) -> None:
+        self._ctx.inflight[self._call] = asyncio.get_running_loop().create_future()
+
+    async def __aexit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        self._ctx.landed(self._call)
 
 
 def ending(

@@ -12,6 +12,17 @@ from durably.values import check_json_value, json_text_fits
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 
+# Built once: json.dumps(value, **options) builds an encoder per call, which costs more than
+# encoding a step's small value. An encoder keeps no state between calls (thread-safe).
+_canonical = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False
+).encode
+_plain = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
+_key_parts = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+# What json.loads does, without its checks for bytes and surrounding whitespace: the text
+# read back is the encoder's own, a single value with none.
+_read_back = json.JSONDecoder().raw_decode
+
 
 def canonical_json(value: Any, *, what: str = "value", limit: int | None = None) -> str:
     """Serialise ``value`` to canonical JSON (sorted keys, compact) or raise a typed error.
@@ -21,9 +32,7 @@ def canonical_json(value: Any, *, what: str = "value", limit: int | None = None)
     so are strings no store can hold and nesting past ``values.MAX_JSON_DEPTH``.
     """
     try:
-        text = json.dumps(
-            value, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False
-        )
+        text = _canonical(value)
     except RecursionError:
         check_json_value(value, what)  # names the nesting
         raise
@@ -37,7 +46,7 @@ def canonical_json(value: Any, *, what: str = "value", limit: int | None = None)
         # Rare: walk the value to name what no store can hold (the scan may also have seen
         # a harmless literal backslash-u0000).
         check_json_value(value, what)
-    if json.loads(text) != value:
+    if _read_back(text)[0] != value:
         raise NotJSONSerializable(
             f"{what} does not survive a JSON round trip unchanged (tuples, sets or non-string "
             "dict keys?); use lists and string keys"
@@ -52,7 +61,7 @@ def canonical_json(value: Any, *, what: str = "value", limit: int | None = None)
 
 def plain_json(value: Any) -> str:
     """Canonical JSON of a value durably built itself (events, checkpoints): no checks."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _plain(value)
 
 
 def sha256_hex(text: str) -> str:
@@ -105,7 +114,7 @@ def idempotency_key(
     if scheme == 1:
         return sha256_hex("|".join((tenant, run_id, str(plan_version), step_id, operation_group)))
     return sha256_hex(
-        json.dumps(
+        _key_parts(
             [
                 "durably.idempotency_key",
                 scheme,
@@ -114,8 +123,6 @@ def idempotency_key(
                 plan_version,
                 step_id,
                 operation_group,
-            ],
-            separators=(",", ":"),
-            ensure_ascii=False,
+            ]
         )
     )

@@ -73,14 +73,14 @@ def call_step(
     if sdef.canonical is not None:
         arguments = {"canonical": sdef.canonical(*args, **kwargs)}
     else:
-        arguments = bind_arguments(sdef.signature, sdef.name, args, kwargs)
+        arguments = bind_arguments(sdef, args, kwargs)
     ih = input_hash(sdef.name, sdef.version, arguments)
     ctx.replayed(step_id, position, "step", sdef.name, ih)
     call = StepCall(ctx, sdef, step_id, position, ih, arguments)
     return ctx.created(step_id, sdef.name, call.settle(args, kwargs))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class StepCall:
     """One call of a step: replayed from the journal, or run (with retries) and recorded."""
 

@@ -57,7 +57,7 @@ class EffectCore:
         self.kwargs = kwargs
         self.step_id, self.position = ctx.allocate(tool.name, explicit_step_id)
         ctx.count("tool_calls")
-        self.arguments = bind_arguments(tool.signature, tool.name, args, kwargs)
+        self.arguments = bind_arguments(tool, args, kwargs)
         secret = ctx.engine.secret_key if tool.redact else None
         self.input_hash = input_hash(tool.name, tool.version, self.arguments, key=secret)
         run = ctx.run
