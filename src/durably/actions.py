@@ -61,46 +61,13 @@ async def start(
     *,
     run_id: str | None,
     tenant: str,
-) -> RunRecord:
-    """Record a new queued run of ``wf`` (idempotent on ``run_id``) and return it."""
-    new = await _new_run(engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
-    record, created = await engine.store.create_run(new)
-    return _started(new, record, created)
-
-
-async def start_and_execute(
-    engine: Engine,
-    wf: WorkflowDef,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    run_id: str | None,
-    tenant: str,
+    execute_here: bool = False,
 ) -> str:
-    """``start``, then ``execute`` here: a new run is leased to this process by the
-    transaction that records it (one commit less, and no worker takes it meanwhile)."""
-    new = await _new_run(engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
-    owner = owners.owner_name("inproc")
-    ttl_s = engine.lease_ttl.total_seconds()
-    record, created, claim = await engine.store.start_run(new, owner, ttl_s)
-    _started(new, record, created)
-    if claim is not None:
-        await runtime.drive(engine, claim)
-    elif not created:
-        await execute(engine, record.run_id, owner=owner, record=record)
-    return record.run_id
+    """Record a new queued run of ``wf`` (idempotent on ``run_id``) and return its id.
 
-
-async def _new_run(
-    engine: Engine,
-    wf: WorkflowDef,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    run_id: str | None,
-    tenant: str,
-) -> NewRun:
-    """A new run of ``wf`` as recorded, its input checked; the store is open."""
+    ``execute_here``: then execute it in this process. A new run is leased to this process
+    by the transaction that records it (one commit less, and no worker takes it meanwhile).
+    """
     if run_id is not None:
         check_id(run_id, "run id")
     check_id(tenant, "tenant")
@@ -111,14 +78,14 @@ async def _new_run(
             f"workflow {wf.name} cannot take this input ({exc}); its signature is "
             f"{wf.name}{inspect.signature(wf.fn)}"
         ) from None
-    await engine.open()
+    store = await engine.open()
     run_input = {"args": list(args), "kwargs": kwargs}
     input_json = canonical_json(
         run_input, what=f"the input of {wf.name}", limit=engine.max_payload_bytes
     )
     ih = sha256_hex(canonical_json({"workflow": wf.name, "input": run_input}))
     run_id = run_id or new_run_id()
-    return NewRun(
+    new = NewRun(
         run_id=run_id,
         tenant=tenant,
         workflow=wf.name,
@@ -129,6 +96,17 @@ async def _new_run(
         key_scheme=KEY_SCHEME,
         receipt=receipt(engine, run_id),
     )
+    if not execute_here:
+        record, created = await store.create_run(new)
+        return _started(new, record, created).run_id
+    owner = owners.owner_name("inproc")
+    record, created, claim = await store.start_run(new, owner, engine.lease_ttl.total_seconds())
+    _started(new, record, created)
+    if claim is not None:
+        await runtime.drive(engine, claim)
+    elif not created:
+        await execute(engine, run_id, owner=owner, record=record)
+    return run_id
 
 
 def _started(new: NewRun, record: RunRecord, created: bool) -> RunRecord:

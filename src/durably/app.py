@@ -158,8 +158,7 @@ class App(Registration):
     ) -> str:
         """Record a new queued run (idempotent on ``run_id``) and return its id."""
         wf = self._resolve_workflow(workflow)
-        record = await actions.start(self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
-        return record.run_id
+        return await actions.start(self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
 
     def start(
         self,
@@ -184,8 +183,8 @@ class App(Registration):
     ) -> Run:
         """Start (or find) a run and execute it here until it completes, fails or stops."""
         wf = self._resolve_workflow(workflow)
-        rid = await actions.start_and_execute(
-            self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant
+        rid = await actions.start(
+            self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant, execute_here=True
         )
         return await self.get_run_async(rid)
 
