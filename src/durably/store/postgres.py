@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
-from psycopg.pq import TransactionStatus
+from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -65,13 +65,19 @@ async def _script(db: AsyncConn, statements: Sequence[Statement]) -> list[Rows]:
     """
     if len(statements) == 1:
         ((sql, params),) = statements
-        cursor = await db.execute(sql, params)
-        return [
-            await cursor.fetchall() if cursor.description is not None else [()] * cursor.rowcount
-        ]
+        return [await _rows(await db.execute(sql, params))]
     async with db.pipeline():
         cursors = [await db.execute(sql, params) for sql, params in statements]
-    return [await c.fetchall() if c.description is not None else [()] * c.rowcount for c in cursors]
+    return [await _rows(c) for c in cursors]
+
+
+async def _rows(cursor: psycopg.AsyncCursor[dict[str, Any]]) -> Rows:
+    """A statement's rows, or an empty row per row it changed. Read off its result's status:
+    ``cursor.description`` would build a column object per column on every statement."""
+    result = cursor.pgresult
+    if result is not None and result.status == ExecStatus.TUPLES_OK:
+        return await cursor.fetchall()
+    return [()] * cursor.rowcount
 
 
 class PostgresStore(SQLStore):
