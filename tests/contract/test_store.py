@@ -98,7 +98,8 @@ def test_start_run_creates_and_leases_the_run_in_one_transaction(store: Store) -
     record, created, claim = run(store.start_run(replace(new_run(), receipt=receipt), "me", 30))
     assert created
     assert claim is not None
-    assert record.run_id == claim.run.run_id == "r1"
+    assert record == claim.run
+    assert record.run_id == "r1"
     assert not claim.recovered
     assert (claim.lease.owner, claim.lease.epoch) == ("me", 1)
     stored = run(store.get_run("r1"))

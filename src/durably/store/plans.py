@@ -141,7 +141,9 @@ def start_run(new: NewRun, claim: Plan[list[Claim]]) -> Plan[tuple[RunRecord, bo
             picking = claim.send(answers)
         except StopIteration as claimed:
             claims: list[Claim] = claimed.value
-            return run_from_row(inserted[0]), True, claims[0] if claims else None
+            if not claims:
+                return run_from_row(inserted[0]), True, None
+            return claims[0].run, True, claims[0]
         answers = yield picking
 
 
