@@ -37,6 +37,20 @@ def finish_elsewhere(app: durably.App, run_id: str) -> durably.Run:
     return app.resume(run_id)
 
 
+class DiesBeforeItsFirstSend:
+    """An ``authorize=`` hook whose first call freezes the process past its lease: the
+    holder dies, as far as the store can tell, between a call's claim and its send."""
+
+    def __init__(self) -> None:
+        self.frozen = False
+
+    async def __call__(self, op: durably.Operation) -> bool:
+        if not self.frozen:
+            self.frozen = True
+            frozen(LEASE.total_seconds() * 2.5)
+        return True
+
+
 @pytest.mark.parametrize("kind", ["step", "tool"])
 def test_no_step_body_or_tool_call_starts_after_the_lease_ran_out(
     make_app: MakeApp, kind: str
@@ -306,13 +320,7 @@ def test_a_recovered_run_reconciles_before_it_makes_a_new_call(make_app: MakeApp
     """Its holder died mid-call: the next holder records ``reconciling`` first, settles the
     call (here: re-sends the key), and only then is ``running`` and makes the next call."""
     app = make_app(lease_ttl=LEASE)
-    thaw = {"frozen": False}
-
-    async def slow_authorisation(op: durably.Operation) -> bool:
-        if not thaw["frozen"]:
-            thaw["frozen"] = True
-            frozen(LEASE.total_seconds() * 2.5)  # dies between its claim and its send
-        return True
+    slow_authorisation = DiesBeforeItsFirstSend()
 
     @app.tool(idempotent=True, authorize=slow_authorisation)
     def send() -> str:
@@ -353,14 +361,8 @@ def test_a_new_call_waits_for_the_recovered_call_another_branch_is_settling(
     it is settled and the run ``running`` again, instead of being sent while the run is
     still reconciling."""
     app = make_app(lease_ttl=LEASE)
-    thaw = {"frozen": False}
+    slow_authorisation = DiesBeforeItsFirstSend()
     sent: list[str] = []
-
-    async def slow_authorisation(op: durably.Operation) -> bool:
-        if not thaw["frozen"]:
-            thaw["frozen"] = True
-            frozen(LEASE.total_seconds() * 2.5)  # dies between its claim and its send
-        return True
 
     @app.tool(idempotent=True, authorize=slow_authorisation)
     async def refund() -> str:
@@ -400,14 +402,8 @@ def test_a_new_call_waiting_for_a_recovered_call_stops_when_that_call_pauses_the
     tell): the run pauses, and the other branch's new call, which waited while the shop
     was asked, is never sent."""
     app = make_app(lease_ttl=LEASE)
-    thaw = {"frozen": False}
+    slow_authorisation = DiesBeforeItsFirstSend()
     sent: list[str] = []
-
-    async def slow_authorisation(op: durably.Operation) -> bool:
-        if not thaw["frozen"]:
-            thaw["frozen"] = True
-            frozen(LEASE.total_seconds() * 2.5)  # dies between its claim and its send
-        return True
 
     async def ask_the_shop(op: durably.Operation) -> durably.Reconciliation:
         await asyncio.sleep(0.3)
@@ -426,7 +422,7 @@ def test_a_new_call_waiting_for_a_recovered_call_stops_when_that_call_pauses_the
     async def later() -> str:
         # First execution: after the freeze. Recovery: as soon as the recovered call's
         # own task has started, well before it can be judged.
-        await asyncio.sleep(0 if thaw["frozen"] else 0.05)
+        await asyncio.sleep(0 if slow_authorisation.frozen else 0.05)
         return await notify()
 
     @app.workflow()
