@@ -3,7 +3,6 @@ and every step of every run is executed once (a step cut short by the kill, twic
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from durably import RunStatus
 from durably.faults import CRASH_EXIT_CODE
 from tests.conftest import fetch_sql
 from tests.worker import drainapp
-from tests.worker.test_shutdown import durably_cli
+from tests.worker.test_shutdown import durably_cli, sigkill_once_started
 
 RUNS = 6
 LEASE_TTL_S = 60
@@ -44,15 +43,7 @@ def test_a_batch_held_by_a_dead_worker_is_recovered_run_by_run(
             assert worker.returncode == CRASH_EXIT_CODE, stderr
             assert not any(ledger.exists() for ledger in ledgers)
         else:
-            worker = durably_cli(database_url, *args)
-            try:
-                deadline = time.monotonic() + 20
-                while not all(ledger.exists() for ledger in ledgers):
-                    assert time.monotonic() < deadline, "the worker never started every run"
-                    time.sleep(0.02)
-            finally:
-                worker.send_signal(signal.SIGKILL)
-                worker.communicate(timeout=20)
+            sigkill_once_started(durably_cli(database_url, *args), ledgers)
         held = _leases(database_url)
         # One claim took them all: every run leased once, by the dead worker.
         owners = {owner for _, owner, _ in held.values()}

@@ -17,7 +17,7 @@ import pytest
 from durably import RunStatus, owners
 from tests.conftest import fetch_sql
 from tests.worker import drainapp
-from tests.worker.test_shutdown import durably_cli
+from tests.worker.test_shutdown import durably_cli, sigkill_once_started
 
 LEASE_TTL_S = 60
 
@@ -33,14 +33,7 @@ def test_the_runs_of_a_killed_worker_are_recovered_without_waiting_out_its_lease
         worker = durably_cli(
             database_url, "worker", "--lease-ttl", str(LEASE_TTL_S), "--concurrency", "2"
         )
-        try:
-            deadline = time.monotonic() + 20
-            while not all(ledger.exists() for ledger in ledgers):
-                assert time.monotonic() < deadline, "the worker never started both runs"
-                time.sleep(0.05)
-        finally:
-            worker.send_signal(signal.SIGKILL)
-            worker.communicate(timeout=20)
+        sigkill_once_started(worker, ledgers)
         held = {
             run_id: (status, owner, until)
             for run_id, status, owner, until in fetch_sql(

@@ -29,6 +29,18 @@ def durably_cli(
     )
 
 
+def sigkill_once_started(worker: subprocess.Popen[str], ledgers: list[Path]) -> None:
+    """SIGKILL ``worker`` once each run has started (written its ledger file)."""
+    try:
+        deadline = time.monotonic() + 20
+        while not all(ledger.exists() for ledger in ledgers):
+            assert time.monotonic() < deadline, "the worker never started every run"
+            time.sleep(0.02)
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.communicate(timeout=20)
+
+
 def test_sigterm_releases_the_run_at_a_boundary(database_url: str, tmp_path: Path) -> None:
     ledger = tmp_path / "executions.txt"
     app = drainapp.app
