@@ -179,10 +179,11 @@ def claim(pick: Plan[Rows], owner: str, ttl_s: float, sent_at: float) -> Plan[li
     rows = yield from pick
     if not rows:
         return []
+    recovered = [_recovered(row) for row in rows]
     recoveries: list[Query] = []
     reads: list[list[Query]] = []
-    for row in rows:
-        if _recovered(row):
+    for row, was_in_flight in zip(rows, recovered, strict=True):
+        if was_in_flight:
             run_id = row["run_id"]
             payload = {"previous_owner": row["old_owner"], "lease_until": row["old_until"]}
             recoveries += [
@@ -196,16 +197,15 @@ def claim(pick: Plan[Rows], owner: str, ttl_s: float, sent_at: float) -> Plan[li
     answers = yield Round([*recoveries, *(q for r in reads for q in r)], final=True)
     answers = answers[len(recoveries) :]
     claims: list[Claim] = []
-    for row, queries in zip(rows, reads, strict=True):
+    for row, was_in_flight, queries in zip(rows, recovered, reads, strict=True):
         journal, answers = _journal(answers[: len(queries)]), answers[len(queries) :]
         run = run_from_row(row)
-        recovered = _recovered(row)
         claims.append(
             Claim(
                 run=run,
                 lease=Lease(run.run_id, owner, run.lease_epoch, ttl_s),
-                recovered=recovered,
-                previous_lease_until=row["old_until"] if recovered else None,
+                recovered=was_in_flight,
+                previous_lease_until=row["old_until"] if was_in_flight else None,
                 sent_at=sent_at,
                 journal=journal,
             )
