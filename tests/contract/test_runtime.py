@@ -432,6 +432,34 @@ def test_start_is_idempotent_on_run_id(make_app: MakeApp) -> None:
         app.start(wf, 2, run_id="fixed")
 
 
+def test_run_on_a_run_id_that_exists_executes_that_run_or_refuses_another_input(
+    make_app: MakeApp,
+) -> None:
+    """``app.run`` leases a run it creates in the same commit; a run that exists already is
+    not created again: a queued one is executed here, a finished one returned as it is,
+    and another input under its id is refused."""
+    app = make_app()
+    bodies: list[int] = []
+
+    @app.step()
+    def body(x: int) -> int:
+        bodies.append(x)
+        return x
+
+    @app.workflow()
+    async def wf(x: int) -> int:
+        return await body(x)
+
+    assert app.start(wf, 1, run_id="queued") == "queued"
+    assert app.run(wf, 1, run_id="queued").result == 1
+    assert app.run(wf, 1, run_id="queued").result == 1
+    assert app.run(wf, 2, run_id="fresh").result == 2
+    assert bodies == [1, 2]
+    with pytest.raises(durably.IdempotencyConflict):
+        app.run(wf, 3, run_id="fresh")
+    assert app.get_run("fresh").result == 2
+
+
 def test_bad_input_gets_typed_errors(make_app: MakeApp) -> None:
     app = make_app(max_payload_bytes=100)
 
