@@ -5,8 +5,10 @@ The same ~200-byte autocommit ``INSERT ... RETURNING`` (a durable commit each), 
 * ``bare``: ``execute`` on one connection (the floor benchmark's raw baseline);
 * ``pool``: ``execute`` on a connection borrowed from ``psycopg_pool`` (durably's
   PostgreSQL store, for a round of one statement);
-* ``pool+pipeline``: the same inside ``pipeline()`` (durably's rounds of several
-  statements; single statements went this way before).
+* ``pool+pipeline``: the same inside ``pipeline()`` (how durably sent a round of several
+  statements before it drove libpq itself);
+* ``pool+libpq``: the same statement, prepared once, handed to libpq's own pipeline on
+  the pooled connection's ``pgconn`` (how durably's PostgreSQL store sends every round).
 
 Modes are interleaved over ``--repeat`` rounds; the figures are the medians of client CPU
 (``time.process_time``) and wall time per statement. It decides how durably sends a round,
@@ -25,12 +27,13 @@ import uuid
 from typing import Any
 
 import psycopg
+from psycopg.pq import ExecStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from benchmarks.baselines import row_body
 
-MODES = ("bare", "pool", "pool+pipeline")
+MODES = ("bare", "pool", "pool+pipeline", "pool+libpq")
 
 
 async def measure(url: str, statements: int, repeat: int) -> dict[str, tuple[float, float]]:
@@ -58,6 +61,9 @@ async def measure(url: str, statements: int, repeat: int) -> dict[str, tuple[flo
                         if mode == "pool":
                             await (await db.execute(insert, params)).fetchall()
                             continue
+                        if mode == "pool+libpq":
+                            await _libpq(db, insert, params["body"])
+                            continue
                         async with db.pipeline():
                             cursor = await db.execute(insert, params)
                         await cursor.fetchall()
@@ -68,8 +74,9 @@ async def measure(url: str, statements: int, repeat: int) -> dict[str, tuple[flo
                     )
                 )
         (count,) = await (await bare.execute(f"SELECT count(*) AS n FROM {table}")).fetchall()
-        if count["n"] != statements * repeat * len(MODES):
-            raise SystemExit(f"{count['n']} rows written, expected {statements * repeat * 3}")
+        expected = statements * repeat * len(MODES)
+        if count["n"] != expected:
+            raise SystemExit(f"{count['n']} rows written, expected {expected}")
     finally:
         await bare.execute(f"DROP TABLE IF EXISTS {table}")
         await bare.close()
@@ -81,6 +88,38 @@ async def measure(url: str, statements: int, repeat: int) -> dict[str, tuple[flo
         )
         for mode, taken in samples.items()
     }
+
+
+async def _libpq(db: psycopg.AsyncConnection[Any], insert: str, body: str) -> None:
+    """``insert`` (prepared on ``db`` the first time) in a libpq pipeline; its result."""
+    pgconn = db.pgconn
+    if not getattr(db, "bench_prepared", False):
+        numbered = insert.replace("%(body)s", "$1").encode()
+        if pgconn.prepare(b"bench_insert", numbered).status != ExecStatus.COMMAND_OK:
+            raise SystemExit("could not prepare the insert")
+        db.bench_prepared = True  # type: ignore[attr-defined]
+    loop = asyncio.get_running_loop()
+    pgconn.enter_pipeline_mode()
+    pgconn.send_query_prepared(b"bench_insert", [body.encode()])
+    pgconn.pipeline_sync()
+    while pgconn.flush():
+        await asyncio.sleep(0)
+    results: list[Any] = []
+    while not results or results[-1].status != ExecStatus.PIPELINE_SYNC:
+        while pgconn.is_busy():
+            ready: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(pgconn.socket, ready.set_result, None)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(pgconn.socket)
+            pgconn.consume_input()
+        result = pgconn.get_result()
+        if result is not None:
+            results.append(result)
+    pgconn.exit_pipeline_mode()
+    if results[0].status != ExecStatus.TUPLES_OK or results[0].ntuples != 1:
+        raise SystemExit(f"the insert answered {results[0].status}")
 
 
 def main() -> None:

@@ -8,10 +8,11 @@ is the server's: a commit returns once ``synchronous_commit`` says it is safe (`
 default: flushed to the WAL on disk).
 
 Round trips dominate the cost of a small transaction, so each round of a plan
-(``store.plans``) is sent as one pipelined script (psycopg binds the parameters and escapes
-them): ``BEGIN`` goes with the first round and ``COMMIT`` with the final one. A commit is
-two round trips — ``BEGIN`` with every statement whose "no row matched" means "refuse",
-then everything else with ``COMMIT`` — and a read is one.
+(``store.plans``) goes out as one pipeline of prepared statements (:mod:`.pg_wire`):
+``BEGIN`` goes with the first round and ``COMMIT`` with the final one, and a plan of one
+round needs neither. A step's commit is one statement in one round trip; a commit that
+refuses on what it reads is two — ``BEGIN`` with every statement whose "no row matched"
+means "refuse", then everything else with ``COMMIT`` — and a read is one.
 """
 
 from __future__ import annotations
@@ -23,25 +24,29 @@ from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
-from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from durably.errors import InvalidTransition, StoreUnavailable
+from durably.store import pg_wire
 from durably.store.base import Committed, Expect, Lease, Transition, shown_url
 from durably.store.migrations import Migrator
+from durably.store.pg_wire import send_round
 from durably.store.plans import Plan, Round, Rows
 from durably.store.queries import queries
 from durably.store.sqlstore import SQLStore
 
 AsyncConn = psycopg.AsyncConnection[dict[str, Any]]
-Statement = tuple[bytes, dict[str, Any] | None]
+Statement = tuple[pg_wire.Statement, dict[str, Any] | None]
 T = TypeVar("T")
 
-_SQL = {name: sql.encode() for name, sql in queries("postgres").items()}
-_BEGIN: Statement = (b"BEGIN", None)
-_SNAPSHOT: Statement = (b"BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", None)
-_COMMIT: Statement = (b"COMMIT", None)
+_TEXT = {name: sql.encode() for name, sql in queries("postgres").items()}
+"""For psycopg's own ``execute``: LISTEN, and migrations on their plain connection."""
+_SQL = {name: pg_wire.statement(sql) for name, sql in queries("postgres").items()}
+_BEGIN: Statement = (pg_wire.statement("BEGIN"), None)
+_SNAPSHOT: Statement = (pg_wire.statement("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"), None)
+_COMMIT: Statement = (pg_wire.statement("COMMIT"), None)
 _NOTIFY: Statement = (_SQL["notify"], None)
 
 
@@ -52,32 +57,6 @@ class _Sent:
 
 
 Work = Callable[[AsyncConn, _Sent], Awaitable[T]]
-
-
-async def _script(db: AsyncConn, statements: Sequence[Statement]) -> list[Rows]:
-    """Send ``statements`` in one round trip; the rows of each (for a write without
-    RETURNING, an empty row per row it changed: see ``store.plans.Plan``).
-
-    Pipeline mode: the extended protocol, with statements prepared by psycopg once they
-    repeat, so the server plans each of durably's statements once per connection. A single
-    statement goes without it: the same protocol and preparing, and pipeline mode's own
-    bookkeeping costs the client more CPU than the statement (about 0.1 ms a round).
-    """
-    if len(statements) == 1:
-        ((sql, params),) = statements
-        return [await _rows(await db.execute(sql, params))]
-    async with db.pipeline():
-        cursors = [await db.execute(sql, params) for sql, params in statements]
-    return [await _rows(c) for c in cursors]
-
-
-async def _rows(cursor: psycopg.AsyncCursor[dict[str, Any]]) -> Rows:
-    """A statement's rows, or an empty row per row it changed. Read off its result's status:
-    ``cursor.description`` would build a column object per column on every statement."""
-    result = cursor.pgresult
-    if result is not None and result.status == ExecStatus.TUPLES_OK:
-        return await cursor.fetchall()
-    return [()] * cursor.rowcount
 
 
 class PostgresStore(SQLStore):
@@ -178,7 +157,7 @@ class PostgresStore(SQLStore):
                         closing.append(_COMMIT)
                     sent.commit = True
                 statements = [(_SQL[name], params) for name, params in sending.queries]
-                rows = await _script(db, [*opening, *statements, *closing])
+                rows = await send_round(db, [*opening, *statements, *closing])
                 answers = rows[len(opening) : len(opening) + len(statements)]
                 opening = []
                 try:
@@ -186,7 +165,7 @@ class PostgresStore(SQLStore):
                 except StopIteration as done:
                     if not sending.final:  # nothing more to write: COMMIT alone
                         sent.commit = True
-                        await _script(db, [_COMMIT])
+                        await send_round(db, [_COMMIT])
                     result: T = done.value
                     return result
 
@@ -196,7 +175,7 @@ class PostgresStore(SQLStore):
         """In autocommit: one round trip (reads, and single writes safe to repeat)."""
 
         async def work(db: AsyncConn, sent: _Sent) -> Rows:
-            (rows,) = await _script(db, [(_SQL[name], params)])
+            (rows,) = await send_round(db, [(_SQL[name], params)])
             return rows
 
         return await self._transact(work, idempotent=True)
@@ -260,7 +239,7 @@ class PostgresStore(SQLStore):
             self.url, autocommit=True, row_factory=dict_row
         )
         try:
-            await conn.execute(_SQL["listen"])
+            await conn.execute(_TEXT["listen"])
         except BaseException:
             # Cancelled (the worker is stopping) or failed before anyone else held it.
             await conn.close()
@@ -296,20 +275,20 @@ class _MigrationTarget:
 
     def schema_version(self) -> int:
         with self._connect() as conn:
-            exists = conn.execute(_SQL["migrations_table"]).fetchone()
+            exists = conn.execute(_TEXT["migrations_table"]).fetchone()
             if not exists or not exists[0]:
                 return 0
-            row = conn.execute(_SQL["schema_version"]).fetchone()
+            row = conn.execute(_TEXT["schema_version"]).fetchone()
             return int(row[0] or 0) if row else 0
 
     def apply_migration(self, version: int, name: str, sql: str) -> bool:
         with self._connect() as conn, conn.transaction():
             # Concurrent `durably migrate` calls queue here; the loser sees the version done.
-            conn.execute(_SQL["migration_lock"], {"lock": self.LOCK})
-            conn.execute(_SQL["create_migrations_table"])
-            if conn.execute(_SQL["migration_applied"], {"version": version}).fetchone():
+            conn.execute(_TEXT["migration_lock"], {"lock": self.LOCK})
+            conn.execute(_TEXT["create_migrations_table"])
+            if conn.execute(_TEXT["migration_applied"], {"version": version}).fetchone():
                 return False
             # A shipped migration file, never user input.
             conn.execute(sql.encode())
-            conn.execute(_SQL["record_migration"], {"version": version, "name": name})
+            conn.execute(_TEXT["record_migration"], {"version": version, "name": name})
         return True

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from importlib import resources
+from operator import itemgetter
+from typing import Any
 
 _HEADER = re.compile(r"^-- name: (\w+)[ \t]*$", re.MULTILINE)
 
@@ -30,3 +33,25 @@ def queries(backend: str) -> dict[str, str]:
             raise ValueError(f"sql/{backend}/queries.sql: {name} is empty or defined twice")
         found[name] = statement
     return found
+
+
+Picker = Callable[[dict[str, Any]], tuple[Any, ...]]
+
+
+def numbered(sql: str, placeholder: re.Pattern[str], mark: str) -> tuple[str, Picker]:
+    """``sql`` with each named parameter (``placeholder``'s group 1) written as ``mark``
+    and its number (``?1``, ``$1``; a name used twice is one parameter), and a function
+    picking the parameters in that order from a plan's parameters by name. Drivers bind a
+    sequence for a fraction of what they spend on a mapping."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match[1] not in names:
+            names.append(match[1])
+        return f"{mark}{names.index(match[1]) + 1}"
+
+    text = placeholder.sub(number, sql)
+    if len(names) == 1:
+        (only,) = names
+        return text, lambda params: (params[only],)
+    return text, itemgetter(*names) if names else lambda params: ()

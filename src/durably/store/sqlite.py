@@ -22,14 +22,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from operator import itemgetter
 from typing import Any, NamedTuple, NoReturn, TypeVar
 
 from durably.errors import ConfigurationError, StoreUnavailable
 from durably.store.base import shown_url
 from durably.store.migrations import Migrator, split_statements
 from durably.store.plans import Plan, Query, Round, Rows
-from durably.store.queries import queries
+from durably.store.queries import numbered, queries
 from durably.store.sqlite_file import connect
 from durably.store.sqlstore import SQLStore
 
@@ -50,18 +49,7 @@ class _Statement(NamedTuple):
 def _numbered(sql: str) -> _Statement:
     """``:name`` becomes ``?N``: sqlite3 binds a dict at about a thousand instructions a
     parameter and a tuple at a tenth of that, some 25,000 instructions per step commit."""
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        if match[1] not in names:
-            names.append(match[1])
-        return f"?{names.index(match[1]) + 1}"
-
-    numbered = _PLACEHOLDER.sub(number, sql)
-    if len(names) == 1:
-        (only,) = names
-        return _Statement(numbered, lambda params: (params[only],))
-    return _Statement(numbered, itemgetter(*names) if names else lambda params: ())
+    return _Statement(*numbered(sql, _PLACEHOLDER, "?"))
 
 
 _SQL = {name: _numbered(sql) for name, sql in queries("sqlite").items()}
