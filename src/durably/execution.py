@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from durably import faults
@@ -126,6 +126,8 @@ class RunContext(CallIdentity, JoinsApprovals):
     unsettled: set[str] = field(default_factory=set)
     """Keys of the operations a recovered run found unsettled (executing, unknown, being
     reconciled): the run is ``reconciling`` until each is settled or re-sent."""
+    at: tuple[int, int] | None = None
+    """(state_version, last_sequence) as this execution's last commit left the run."""
 
     def __post_init__(self) -> None:
         self.root = Scope(self)
@@ -358,6 +360,8 @@ class RunContext(CallIdentity, JoinsApprovals):
                 self.journal.effect_completed(effect)
             self.journal.budget = self.budget()
             t = transition() if callable(transition) else transition
+            if t.release and self.at is not None:
+                t = replace(t, at=self.at)  # an ending: see Transition.at
             sent_at = time.monotonic()
             try:
                 committed = await (
@@ -369,6 +373,7 @@ class RunContext(CallIdentity, JoinsApprovals):
             except BaseException:
                 self.journal = before  # refused: the journal stays as the store has it
                 raise
+            self.at = (committed.state_version, committed.last_sequence)
             self.cancel_requested = committed.cancel_requested
             self.pause_requested = committed.pause_requested
             if not t.release:

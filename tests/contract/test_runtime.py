@@ -610,6 +610,45 @@ def test_checkpoints_carry_every_field(make_app: MakeApp) -> None:
     assert json.dumps(payloads)  # everything is JSON
 
 
+def test_a_run_that_moved_after_its_last_commit_ends_sealed_where_it_really_is(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """An execution's ending is sealed at the state its last commit left the run in, when
+    the run is still there. An event that arrived in between moved it: the ending is then
+    committed and sealed at the run's real state, and nothing is lost."""
+    app = make_app()
+
+    @app.step()
+    def one() -> int:
+        return 1
+
+    @app.workflow()
+    async def wf(aside: bool) -> int:
+        x = await one()
+        if aside:
+            run_id = durably.current_run().run_id
+            await app.send_event_async(run_id, "aside", {"n": 1}, event_id=f"{run_id}-aside")
+        return x
+
+    for aside in (True, False):
+        run = app.run(wf, aside)
+        assert run.result == 1
+        ending = ["step_succeeded", *(["event_received"] if aside else []), "run_completed"]
+        assert events(app, run.run_id)[-len(ending) :] == ending
+        ((state_version, last_sequence),) = fetch_sql(
+            database_url,
+            "SELECT state_version, last_sequence FROM durably_runs WHERE run_id = ?",
+            (run.run_id,),
+        )
+        newest = app.checkpoints(run.run_id)[0]
+        assert newest["valid"]
+        assert newest["status"] == "completed"
+        assert (newest["state_version"], newest["last_event_sequence"]) == (
+            state_version,
+            last_sequence,
+        )
+
+
 def test_a_run_is_checkpointed_when_it_is_received(make_app: MakeApp) -> None:
     """The first checkpoint is written with the run: queued, nothing in its journal."""
     app = make_app()

@@ -21,8 +21,9 @@ OWN = {
     # SQLite's RETURNING shows only the new row: a claim reads the run, then leases it.
     "sqlite": {"take_lease"},
     # LISTEN/NOTIFY and the migrators' advisory lock exist only there; so does a
-    # data-modifying WITH, which makes a step's commit one statement.
-    "postgres": {"listen", "notify", "migration_lock", "commit_step"},
+    # data-modifying WITH, which makes a step's commit (and an execution's ending) one
+    # statement.
+    "postgres": {"listen", "notify", "migration_lock", "commit_step", "commit_ending"},
 }
 PLACEHOLDER = {
     "sqlite": re.compile(r"(?<![:\w]):(\w+)"),

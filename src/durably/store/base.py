@@ -296,6 +296,11 @@ class Transition:
     """Step rows written with ``step`` (the other calls waiting for approval with it)."""
     use_approval: ApprovalUse | None = None
     """Raises ApprovalExpired (and nothing of the transition applies) if not usable."""
+    at: tuple[int, int] | None = None
+    """(state_version, last_sequence) the lease holder last committed. Where the run still
+    is there, a backend may seal the checkpoint before the fence returns and commit in one
+    statement; a run found elsewhere (a signal arrived, the lease was lost) takes the full
+    commit instead."""
 
 
 @dataclass(frozen=True)

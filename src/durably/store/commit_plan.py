@@ -196,6 +196,65 @@ def _commit_step(guard: Lease, t: Transition) -> Plan[Committed]:
     return _committed(fenced[0], None)
 
 
+def ends_in_one_statement(t: Transition) -> bool:
+    """Whether ``t`` fits ``commit_ending``: an execution's ending (one event, the run's new
+    status, a checkpoint, the lease released) that names the state it expects the run in,
+    and nothing else. A wait is not one: it also settles requests that arrived meanwhile."""
+    return (
+        t.at is not None
+        and t.release
+        and t.run is not None
+        and t.run.status not in WAITING
+        and t.run.status not in RUNNABLE
+        and t.checkpoint is not None
+        and len(t.events) == 1
+        and t.step is None
+        and not t.more_steps
+        and t.operation is None
+        and t.use_approval is None
+        and t.consume_signal is None
+        and t.wake_on_signal is None
+        and t.plan_version is None
+        and not t.request_approvals
+    )
+
+
+def commit_ending(guard: Lease, t: Transition) -> Plan[Committed | None]:
+    """An execution's ending as one statement, its checkpoint sealed at the state after
+    ``t.at``; None (nothing written) unless the lease holds and the run is still at
+    ``t.at``: then the caller commits ``t`` in full, which tells the two apart."""
+    assert t.at is not None
+    assert t.run is not None
+    assert t.checkpoint is not None
+    at_state_version, at_sequence = t.at
+    (e,) = t.events
+    u = t.run
+    sealed = insert_checkpoint(t.checkpoint, at_state_version + 1, at_sequence + 1)[1]
+    params = {
+        "run_id": guard.run_id,
+        "owner": guard.owner,
+        "epoch": guard.epoch,
+        "at_state_version": at_state_version,
+        "at_sequence": at_sequence,
+        "status": u.status.value,
+        "status_reason": u.status_reason,
+        "result_json": u.result_json,
+        "error_json": json_or_none(u.error),
+        "waiting_for_json": json_or_none(u.waiting_for),
+        "available_at": u.available_at,
+        "type": e.type,
+        "event_step_id": e.step_id,
+        "payload_json": plain_json(e.payload),
+        "schema_version": sealed["schema_version"],
+        "checkpoint_json": sealed["payload_json"],
+        "checksum": sealed["checksum"],
+        "prune": t.checkpoint.prune,
+        "keep": CHECKPOINTS_KEPT - 1,
+    }
+    (fenced,) = yield Round([("commit_ending", params)], final=True)
+    return _committed(fenced[0], None) if fenced else None
+
+
 def _step(s: StepWrite) -> dict[str, Any]:
     """A step row's parameters, but its settled sequence."""
     return {

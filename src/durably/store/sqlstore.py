@@ -39,8 +39,9 @@ class SQLStore(Store):
 
     # -- what a backend supplies --------------------------------------------------------
 
-    _step_statement = False
-    """Whether the dialect has ``commit_step``: a step's whole commit as one statement."""
+    _one_statement_commits = False
+    """Whether the dialect has ``commit_step`` and ``commit_ending`` (a data-modifying
+    ``WITH``): a step's whole commit, and an execution's ending, as one statement."""
 
     @abc.abstractmethod
     async def _run(
@@ -136,9 +137,16 @@ class SQLStore(Store):
         return await self._run(lambda: plans.expire_leases(self._list(owners)))
 
     async def commit(self, guard: Lease | Expect, transition: Transition) -> Committed:
-        return await self._run(
-            lambda: commit_plan.commit(guard, transition, step_statement=self._step_statement)
-        )
+        if (
+            self._one_statement_commits
+            and isinstance(guard, Lease)
+            and commit_plan.ends_in_one_statement(transition)
+        ):
+            ended = await self._run(lambda: commit_plan.commit_ending(guard, transition))
+            if ended is not None:
+                return ended
+        one = self._one_statement_commits
+        return await self._run(lambda: commit_plan.commit(guard, transition, step_statement=one))
 
     async def deliver_signal(
         self, run_id: str, event_id: str, name: str, payload_json: str

@@ -257,6 +257,41 @@ WITH fence AS (
 )
 SELECT last_sequence, state_version, lease_until, cancel_requested, pause_requested FROM fence;
 
+-- name: commit_ending
+-- The commit that ends an execution (its one event, the run's new status, the lease released,
+-- a checkpoint sealed at the state the holder expects) as one statement: no row unless the
+-- lease holds and the run is still at that state. The prune cannot see the checkpoint this
+-- statement inserts: it keeps %(keep)s older ones besides.
+WITH fence AS (
+    UPDATE durably_runs SET last_sequence = last_sequence + 1,
+        state_version = state_version + 1, lease_until = NULL, lease_owner = NULL,
+        updated_at = extract(epoch FROM now()), status = %(status)s,
+        status_reason = %(status_reason)s, result_json = coalesce(%(result_json)s, result_json),
+        error_json = %(error_json)s, waiting_for_json = %(waiting_for_json)s,
+        available_at = coalesce(%(available_at)s, available_at)
+    WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+      AND state_version = %(at_state_version)s AND last_sequence = %(at_sequence)s
+    RETURNING run_id, last_sequence, state_version, lease_until, cancel_requested,
+        pause_requested
+), event AS (
+    INSERT INTO durably_events (run_id, sequence, type, step_id, payload_json, created_at)
+    SELECT run_id, last_sequence, %(type)s, %(event_step_id)s, %(payload_json)s,
+        extract(epoch FROM now())
+    FROM fence
+), checkpoint AS (
+    INSERT INTO durably_checkpoints (run_id, state_version, last_event_sequence,
+        schema_version, payload_json, checksum, created_at)
+    SELECT run_id, state_version, last_sequence, %(schema_version)s,
+        %(checkpoint_json)s, %(checksum)s, extract(epoch FROM now())
+    FROM fence
+), pruned AS (
+    DELETE FROM durably_checkpoints WHERE %(prune)s AND run_id IN (SELECT run_id FROM fence)
+      AND state_version < (SELECT min(state_version) FROM (SELECT state_version
+        FROM durably_checkpoints WHERE run_id = %(run_id)s
+        ORDER BY state_version DESC LIMIT %(keep)s) AS kept)
+)
+SELECT last_sequence, state_version, lease_until, cancel_requested, pause_requested FROM fence;
+
 -- name: upsert_step
 -- A step-ledger row; settled_sequence, once set, stays.
 INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, input_hash,
