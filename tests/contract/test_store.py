@@ -105,9 +105,17 @@ def test_start_run_creates_and_leases_the_run_in_one_transaction(store: Store) -
     stored = run(store.get_run("r1"))
     assert stored is not None
     assert (stored.status, stored.lease_owner, stored.lease_epoch) == (RunStatus.RUNNING, "me", 1)
+    # Both backends leave the same state: the receipt sealed before the lease, the lease
+    # one state version later.
+    assert (stored.state_version, stored.last_sequence) == (2, 1)
     assert claim.journal == run(store.load_journal("r1"))
-    assert len(claim.journal.checkpoints) == 1  # the receipt
+    (sealed,) = claim.journal.checkpoints  # the receipt
+    assert (sealed.payload["state_version"], sealed.payload["last_event_sequence"]) == (1, 1)
     assert [e.type for e in run(store.events("r1"))] == ["run_started"]
+    unsealed = run(store.start_run(replace(new_run(), run_id="r2"), "me", 30))[2]
+    assert unsealed is not None
+    assert unsealed.journal is not None
+    assert unsealed.journal.checkpoints == []
     # Held by "me": nobody else claims it, and starting it again claims nothing.
     assert run(store.claim_next("w2", 30, ["wf|1"])) is None
     again, created_again, no_claim = run(store.start_run(new_run(), "w2", 30))

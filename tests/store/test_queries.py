@@ -21,9 +21,16 @@ OWN = {
     # SQLite's RETURNING shows only the new row: a claim reads the run, then leases it.
     "sqlite": {"take_lease"},
     # LISTEN/NOTIFY and the migrators' advisory lock exist only there; so does a
-    # data-modifying WITH, which makes a step's commit (and an execution's ending) one
-    # statement.
-    "postgres": {"listen", "notify", "migration_lock", "commit_step", "commit_ending"},
+    # data-modifying WITH, which makes a step's commit, an execution's ending and a new
+    # run's start one statement each.
+    "postgres": {
+        "listen",
+        "notify",
+        "migration_lock",
+        "commit_step",
+        "commit_ending",
+        "start_run",
+    },
 }
 PLACEHOLDER = {
     "sqlite": re.compile(r"(?<![:\w]):(\w+)"),

@@ -147,6 +147,37 @@ def start_run(new: NewRun, claim: Plan[list[Claim]]) -> Plan[tuple[RunRecord, bo
         answers = yield picking
 
 
+def start_run_leased(
+    new: NewRun, owner: str, ttl_s: float, sent_at: float
+) -> Plan[tuple[RunRecord, bool, Claim | None]]:
+    """``start_run`` in one round, for a backend with ``start_run`` (the run, its event and
+    receipt, and its lease in one statement): the new run's journal is read after it in
+    the same transaction, or the run already there in its place."""
+    payload = {"workflow": new.workflow, "version": new.workflow_version}
+    receipt: dict[str, Any] = {"schema_version": None, "payload_json": None, "checksum": None}
+    if new.receipt is not None:
+        receipt = insert_checkpoint(new.receipt, 1, 1)[1]
+    params = {
+        **vars(new),
+        "owner": owner,
+        "ttl": ttl_s,
+        "event_json": plain_json(payload),
+        "receipt": new.receipt is not None,
+        "schema_version": receipt["schema_version"],
+        "checkpoint_json": receipt["payload_json"],
+        "checksum": receipt["checksum"],
+    }
+    started, *answers = yield Round(
+        [("start_run", params), *_journal_queries(new.run_id, CHECKPOINTS_READ)], final=True
+    )
+    if not started:
+        return run_from_row(answers[0][0]), False, None
+    run = run_from_row(started[0])
+    lease = Lease(run.run_id, owner, run.lease_epoch, ttl_s)
+    claim = Claim(run, lease, recovered=False, sent_at=sent_at, journal=_journal(answers))
+    return run, True, claim
+
+
 def _received(new: NewRun, inserted: Row) -> list[Query]:
     """A new run's ``run_started`` event and its receipt checkpoint."""
     payload = {"workflow": new.workflow, "version": new.workflow_version}

@@ -62,7 +62,7 @@ Work = Callable[[AsyncConn, _Sent], Awaitable[T]]
 class PostgresStore(SQLStore):
     """Store on PostgreSQL; any number of worker processes may share it."""
 
-    _one_statement_commits = True
+    _data_modifying_with = True
 
     def __init__(self, url: str, *, pool_size: int = 10, connect_timeout_s: float = 10.0) -> None:
         self.url = url

@@ -39,9 +39,10 @@ class SQLStore(Store):
 
     # -- what a backend supplies --------------------------------------------------------
 
-    _one_statement_commits = False
-    """Whether the dialect has ``commit_step`` and ``commit_ending`` (a data-modifying
-    ``WITH``): a step's whole commit, and an execution's ending, as one statement."""
+    _data_modifying_with = False
+    """Whether the dialect has a data-modifying ``WITH``, and with it ``commit_step``,
+    ``commit_ending`` and ``start_run``: a step's whole commit, an execution's ending and a
+    new run's start, as one statement each."""
 
     @abc.abstractmethod
     async def _run(
@@ -84,6 +85,8 @@ class SQLStore(Store):
         params = {"run_id": new.run_id, "owner": owner, "ttl": ttl_s}
 
         def plan() -> plans.Plan[tuple[RunRecord, bool, Claim | None]]:
+            if self._data_modifying_with:
+                return plans.start_run_leased(new, owner, ttl_s, sent_at)
             claim = plans.claim(self._pick("claim_run", params), owner, ttl_s, sent_at)
             return plans.start_run(new, claim)
 
@@ -138,14 +141,14 @@ class SQLStore(Store):
 
     async def commit(self, guard: Lease | Expect, transition: Transition) -> Committed:
         if (
-            self._one_statement_commits
+            self._data_modifying_with
             and isinstance(guard, Lease)
             and commit_plan.ends_in_one_statement(transition)
         ):
             ended = await self._run(lambda: commit_plan.commit_ending(guard, transition))
             if ended is not None:
                 return ended
-        one = self._one_statement_commits
+        one = self._data_modifying_with
         return await self._run(lambda: commit_plan.commit(guard, transition, step_statement=one))
 
     async def deliver_signal(

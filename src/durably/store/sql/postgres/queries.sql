@@ -18,6 +18,35 @@ VALUES (%(run_id)s, %(tenant)s, %(workflow)s, %(workflow_version)s, 'queued', %(
 ON CONFLICT (run_id) DO NOTHING
 RETURNING *;
 
+-- name: start_run
+-- A new run already leased to its creator, with its run_started event and its receipt
+-- checkpoint (sealed at state version 1, before the lease): insert_run, their inserts and
+-- claim_run as one statement. The row as claim_run returns it; none if the run id is taken.
+WITH run AS (
+    INSERT INTO durably_runs (run_id, tenant_id, workflow, workflow_version, status,
+        input_json, input_hash, key_scheme, last_sequence, state_version, lease_owner,
+        lease_until, lease_epoch, available_at, created_at, updated_at)
+    VALUES (%(run_id)s, %(tenant)s, %(workflow)s, %(workflow_version)s, 'running',
+        %(input_json)s, %(input_hash)s, %(key_scheme)s, 1, 2, %(owner)s,
+        extract(epoch FROM now()) + %(ttl)s, 1, extract(epoch FROM now()),
+        extract(epoch FROM now()), extract(epoch FROM now()))
+    ON CONFLICT (run_id) DO NOTHING
+    RETURNING *
+), event AS (
+    INSERT INTO durably_events (run_id, sequence, type, step_id, payload_json, created_at)
+    SELECT run_id, 1, 'run_started', NULL, %(event_json)s, extract(epoch FROM now())
+    FROM run
+), receipt AS (
+    INSERT INTO durably_checkpoints (run_id, state_version, last_event_sequence,
+        schema_version, payload_json, checksum, created_at)
+    SELECT run_id, 1, 1, %(schema_version)s, %(checkpoint_json)s, %(checksum)s,
+        extract(epoch FROM now())
+    FROM run WHERE %(receipt)s
+)
+SELECT run.*, 'queued' AS old_status, NULL::text AS old_owner,
+    NULL::double precision AS old_until
+FROM run;
+
 -- name: get_run
 -- One run.
 SELECT * FROM durably_runs WHERE run_id = %(run_id)s;
