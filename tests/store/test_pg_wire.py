@@ -5,7 +5,10 @@ hold when a round goes wrong halfway. (tests/contract runs every plan through it
 from __future__ import annotations
 
 import asyncio
+import datetime
 import decimal
+import random
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,6 +16,7 @@ from typing import Any
 import psycopg
 import psycopg.errors
 import pytest
+from psycopg import pq
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
@@ -145,5 +149,165 @@ def test_a_round_larger_than_the_socket_buffers_both_ways_completes(
                 send_round(db, [(echo, {"s": text}) for text in texts]), 60
             )
             assert [rows[0]["s"] for rows in answers] == texts
+
+    run(postgres_schema, body)
+
+
+PID = statement("SELECT pg_backend_pid() AS pid")
+SLEEP = statement("SELECT pg_sleep(%(s)s) AS slept")
+
+
+async def terminate(url: str, pid: int) -> None:
+    """End one backend of ours from another connection, as an administrator or an idle
+    timeout would."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as other:
+        await other.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
+def test_a_backend_ended_mid_round_is_an_operational_error_and_the_pool_recovers(
+    postgres_schema: str,
+) -> None:
+    """What the store's retry and StoreUnavailable rest on: the connection's loss is
+    psycopg's OperationalError, raised, never a hang, and the pool lends a working
+    connection next."""
+
+    async def body(pool: AsyncConnectionPool[Conn]) -> None:
+        url = postgres_schema_url(postgres_schema)
+        async with pool.connection() as db:
+            ((mine,),) = await send_round(db, [(PID, None)])
+            waiting = asyncio.ensure_future(
+                send_round(db, [(ECHO, {"a": 1, "b": "x"}), (SLEEP, {"s": 30})])
+            )
+            await asyncio.sleep(0.3)
+            await terminate(url, mine["pid"])
+            with pytest.raises(psycopg.OperationalError):
+                await asyncio.wait_for(waiting, 10)
+            assert db.closed
+        # Ended while it sat in the pool: its next round finds out.
+        async with pool.connection() as db:
+            ((mine,),) = await send_round(db, [(PID, None)])
+        await terminate(url, mine["pid"])
+        async with pool.connection() as db:
+            with pytest.raises(psycopg.OperationalError):
+                await asyncio.wait_for(
+                    send_round(db, [(PID, None), (ECHO, {"a": 1, "b": "x"})]), 10
+                )
+            assert db.closed
+        async with pool.connection() as db:
+            assert await send_round(db, [(ECHO, {"a": 1, "b": "x"})]) == [
+                [{"a": 1, "b": "x", "c": 2}]
+            ]
+
+    run(postgres_schema, body)
+
+
+def test_rounds_cancelled_anywhere_leave_only_clean_connections_in_the_pool(
+    postgres_schema: str,
+) -> None:
+    """Timeouts landing at random points of rounds — before the connection is lent, while
+    a round is sent, while it is answered, in an explicit transaction's second round: the
+    pool's one connection is, every time after, idle, out of pipeline mode, and works."""
+    rng = random.Random(20261201)
+    begin, commit = statement("BEGIN"), statement("COMMIT")
+
+    async def body(pool: AsyncConnectionPool[Conn]) -> None:
+        async def transaction(n: int) -> None:
+            async with pool.connection() as db:
+                await send_round(
+                    db,
+                    [
+                        (begin, None),
+                        (INSERT, {"id": n, "v": "a"}),
+                        (SLEEP, {"s": rng.random() / 500}),
+                    ],
+                )
+                await send_round(db, [(UPDATE, {"v": "b", "id": n}), (commit, None)])
+
+        cut = 0
+        for n in range(300):
+            try:
+                await asyncio.wait_for(transaction(n), rng.random() / 200)
+            except TimeoutError:
+                cut += 1
+            async with pool.connection() as db:
+                assert db.pgconn.pipeline_status == pq.PipelineStatus.OFF
+                assert db.info.transaction_status == TransactionStatus.IDLE
+                assert await send_round(db, [(ECHO, {"a": n, "b": "x"})]) == [
+                    [{"a": n, "b": "x", "c": n + 1}]
+                ]
+        assert 30 < cut < 270  # landed both ways, many times
+        # Each transaction is whole or absent.
+        async with pool.connection() as db:
+            (rows,) = await send_round(db, [(statement("SELECT v FROM t"), None)])
+            assert {row["v"] for row in rows} <= {"b"}
+
+    run(postgres_schema, body)
+
+
+def test_notices_during_a_round_reach_psycopgs_handlers_and_change_no_answer(
+    postgres_schema: str,
+) -> None:
+    """NOTICE and WARNING messages ride between a round's answers, thousands of them past
+    the socket's buffers: they go to the connection's notice handlers, in order, and every
+    answer is still in its place."""
+
+    async def body(pool: AsyncConnectionPool[Conn]) -> None:
+        noisy = statement("SELECT noisy(%(n)s) AS n")
+        heard: list[str] = []
+        async with pool.connection() as db:
+            await db.execute(
+                "CREATE FUNCTION noisy(n int) RETURNS int LANGUAGE plpgsql AS $$ BEGIN "
+                "FOR i IN 1..n LOOP RAISE NOTICE 'n % %', n, i; END LOOP; "
+                "RAISE WARNING 'w %', n; RETURN n; END $$"
+            )
+            db.add_notice_handler(lambda diag: heard.append(diag.message_primary or ""))
+            answers = await send_round(
+                db, [(noisy, {"n": 1}), (ECHO, {"a": 1, "b": "x"}), (noisy, {"n": 5000})]
+            )
+            assert answers == [[{"n": 1}], [{"a": 1, "b": "x", "c": 2}], [{"n": 5000}]]
+            expected = ["n 1 1", "w 1", *[f"n 5000 {i}" for i in range(1, 5001)], "w 5000"]
+            assert heard == expected
+
+    run(postgres_schema, body)
+
+
+def test_every_value_goes_in_and_comes_back_as_through_psycopgs_own_cursor(
+    postgres_schema: str,
+) -> None:
+    """One statement, its parameter of a different type each time, some in the same round:
+    each answer is the one psycopg's own ``execute`` gives for that value, and a value
+    psycopg cannot send is refused with psycopg's error for it."""
+    values: list[Any] = [
+        *(None, 0, 1, -1, 2**15, 2**31, 2**63 - 1, -(2**63), 2**63, 10**30, True, False),
+        *(0.5, -0.0, float("inf"), 1e300, "", "é\n'\\", "x" * 10_000, b"\x00\xff"),
+        *(decimal.Decimal("1.10"), decimal.Decimal("-1E+30"), uuid.UUID(int=1)),
+        *(datetime.date(2026, 12, 1), datetime.datetime(2026, 12, 1, 7, 15)),
+        *(datetime.datetime(2026, 12, 1, 7, 15, tzinfo=datetime.UTC), datetime.timedelta(1)),
+        *([], [1, 2], [1, 2**40], [None, 3], ["a", None], [[1, 2], [3, 4]], [True], [0.5]),
+    ]
+    echo = statement("SELECT %(v)s AS v")
+
+    async def body(pool: AsyncConnectionPool[Conn]) -> None:
+        async with pool.connection() as db:
+            expected = []
+            for value in values:
+                cursor = await db.execute("SELECT %(v)s AS v", {"v": value}, prepare=False)
+                expected.append(await cursor.fetchall())
+            # Twice: prepared in the first round, prepared statements reused in the second.
+            for _ in range(2):
+                assert await send_round(db, [(echo, {"v": v}) for v in values]) == expected
+            for value in values:
+                assert await send_round(db, [(echo, {"v": value})]) == [
+                    expected[values.index(value)]
+                ]
+        for unsendable in ["a\x00b", {"a": 1}, object()]:
+            async with pool.connection() as db:
+                with pytest.raises(psycopg.Error) as ours:
+                    await send_round(db, [(echo, {"v": 1}), (echo, {"v": unsendable})])
+            async with pool.connection() as db:
+                with pytest.raises(psycopg.Error) as theirs:
+                    await db.execute("SELECT %(v)s AS v", {"v": unsendable})
+                assert type(ours.value) is type(theirs.value)
+                assert await send_round(db, [(echo, {"v": 1})]) == [[{"v": 1}]]
 
     run(postgres_schema, body)
