@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import datetime
 import decimal
+import gc
 import random
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -311,3 +313,34 @@ def test_every_value_goes_in_and_comes_back_as_through_psycopgs_own_cursor(
                 assert await send_round(db, [(echo, {"v": 1})]) == [[{"v": 1}]]
 
     run(postgres_schema, body)
+
+
+def test_a_closed_connection_is_freed_with_what_its_rounds_kept(postgres_schema: str) -> None:
+    """pg_wire keeps per connection its adapters, which hold the connection and the last
+    round's answers: none of it may outlive the connection, however it was closed — a
+    round cut halfway, or closed by its owner (the pool)."""
+    url = postgres_schema_url(postgres_schema)
+
+    async def connected() -> Conn:
+        return await psycopg.AsyncConnection.connect(url, autocommit=True, row_factory=dict_row)
+
+    async def main() -> None:
+        gone = []
+        for cut in (True, False):
+            db = await connected()
+            await send_round(db, [(statement("SELECT repeat('x', 1000000) AS x"), None)])
+            gone.append(weakref.ref(db))
+            if cut:
+                waiting = asyncio.ensure_future(send_round(db, [(SLEEP, {"s": 5})]))
+                await asyncio.sleep(0.1)
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+                del waiting
+            await db.close()
+            del db
+        async with await connected() as db:  # connections go on being made
+            await send_round(db, [(ECHO, {"a": 1, "b": "x"})])
+        gc.collect()
+        assert [ref() for ref in gone] == [None, None]
+
+    asyncio.run(main())

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -71,8 +70,10 @@ class _Sent(NamedTuple):
     preparing: bool
 
 
-_wires: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], _Wire]
-_wires = weakref.WeakKeyDictionary()
+# Not weakly keyed: a wire's Transformer holds its connection, so an entry would keep its
+# key alive for ever. Entries of closed connections go when a new connection comes (the
+# pool replacing them): at most the pool's connections and those it closed since.
+_wires: dict[psycopg.AsyncConnection[Any], _Wire] = {}
 
 
 async def send_round(
@@ -85,6 +86,8 @@ async def send_round(
     of the round has been read."""
     wire = _wires.get(conn)
     if wire is None:
+        for closed in [other for other in _wires if other.closed]:
+            del _wires[closed]
         wire = _wires[conn] = _Wire(conn)
     pgconn = conn.pgconn
     try:
