@@ -155,6 +155,50 @@ def test_a_round_larger_than_the_socket_buffers_both_ways_completes(
     run(postgres_schema, body)
 
 
+def test_statements_the_server_forgot_are_prepared_again(postgres_schema: str) -> None:
+    """A connection whose prepared statements went (DEALLOCATE ALL, DISCARD ALL from a
+    pooler's reset) refuses the round that finds out, and answers the next."""
+
+    async def body(pool: AsyncConnectionPool[Conn]) -> None:
+        async with pool.connection() as db:
+            assert await send_round(db, [(ECHO, {"a": 1, "b": "x"})]) == [
+                [{"a": 1, "b": "x", "c": 2}]
+            ]
+            await db.execute("DEALLOCATE ALL", prepare=False)
+            with pytest.raises(psycopg.errors.InvalidSqlStatementName):
+                await send_round(db, [(ECHO, {"a": 1, "b": "x"})])
+            assert db.info.transaction_status == TransactionStatus.IDLE
+            assert await send_round(db, [(ECHO, {"a": 2, "b": "y"})]) == [
+                [{"a": 2, "b": "y", "c": 3}]
+            ]
+
+    run(postgres_schema, body)
+
+
+def test_a_statement_whose_columns_changed_under_it_is_prepared_again(
+    postgres_schema: str,
+) -> None:
+    """A migration that adds a column, run while workers are up: PostgreSQL refuses a
+    prepared ``SELECT *`` whose result would change shape (0A000, "cached plan must not
+    change result type") every time it is run. The round that finds out is refused; the
+    next prepares it again, with its new columns."""
+
+    async def body(pool: AsyncConnectionPool[Conn]) -> None:
+        url = postgres_schema_url(postgres_schema)
+        whole = statement("SELECT * FROM t WHERE id = %(id)s")
+        async with pool.connection() as db:
+            await send_round(db, [(INSERT, {"id": 1, "v": "a"})])
+            assert await send_round(db, [(whole, {"id": 1})]) == [[{"id": 1, "v": "a"}]]
+            async with await psycopg.AsyncConnection.connect(url) as other:
+                await other.execute("ALTER TABLE t ADD COLUMN w int")
+                await other.commit()
+            with pytest.raises(psycopg.errors.FeatureNotSupported):
+                await send_round(db, [(whole, {"id": 1})])
+            assert await send_round(db, [(whole, {"id": 1})]) == [[{"id": 1, "v": "a", "w": None}]]
+
+    run(postgres_schema, body)
+
+
 PID = statement("SELECT pg_backend_pid() AS pid")
 SLEEP = statement("SELECT pg_sleep(%(s)s) AS slept")
 

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg.adapt import PyFormat, Transformer
 from psycopg.errors import error_from_result
-from psycopg.pq import ExecStatus
+from psycopg.pq import DiagnosticField, ExecStatus
 from psycopg.pq.abc import PGconn, PGresult
 
 from durably.store.plans import Rows
@@ -180,9 +180,28 @@ def _rows(wire: _Wire, sent: list[_Sent], results: list[PGresult]) -> list[Rows]
         else:  # refused, or not run after a refusal (the whole round is rolled back)
             refused = refused or _refusal(result)
             answers.append([])
+            _forget(wire, key, name, result)
     if refused is not None:
         raise error_from_result(refused, wire.encoding)
     return answers
+
+
+def _forget(wire: _Wire, key: tuple[bytes, tuple[int, ...]], name: bytes, result: PGresult) -> None:
+    """Forget what the server no longer holds as it was prepared, so that the next round
+    using it prepares it again rather than being refused the same way for ever."""
+    state = result.error_field(DiagnosticField.SQLSTATE)
+    if state == b"26000":  # invalid_sql_statement_name
+        # The server dropped this connection's statements (DEALLOCATE ALL; DISCARD ALL, a
+        # pooler's reset): all of them. Names go on counting, so a statement prepared again
+        # never clashes with one the server may still hold.
+        wire.prepared.clear()
+        wire.columns.clear()
+    elif state == b"0A000":  # feature_not_supported: "cached plan must not change result type"
+        # Its tables changed shape under it (a migration added a column): PostgreSQL
+        # refuses it from now on. Prepared again under a new name; the old one stays on
+        # the server until the connection closes.
+        wire.prepared.pop(key, None)
+        wire.columns.pop(name, None)
 
 
 def _refusal(result: PGresult) -> PGresult | None:
