@@ -23,8 +23,10 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
+from durably.store.base import NewRun
 from durably.store.pg_wire import send_round, statement
-from tests.conftest import postgres_schema_url
+from durably.store.postgres import PostgresStore
+from tests.conftest import execute_sql, postgres_schema_url
 
 Conn = psycopg.AsyncConnection[dict[str, Any]]
 
@@ -357,6 +359,32 @@ def test_every_value_goes_in_and_comes_back_as_through_psycopgs_own_cursor(
                 assert await send_round(db, [(echo, {"v": 1})]) == [[{"v": 1}]]
 
     run(postgres_schema, body)
+
+
+def test_the_store_answers_through_a_migration_that_adds_a_column(postgres_schema: str) -> None:
+    """Workers stay up while a newer durably migrates: their connections' prepared
+    ``SELECT * FROM durably_runs`` is refused once the table has a column more, and the
+    store prepares it again and answers, rather than failing every read until the
+    connection is retired."""
+    url = postgres_schema_url(postgres_schema)
+
+    async def main() -> None:
+        store = PostgresStore(url, pool_size=1)
+        await store.migrate()
+        try:
+            created, _ = await store.create_run(
+                NewRun("r1", "default", "wf", "1", {"args": [], "kwargs": {}}, "{}", "h", 2)
+            )
+            assert await store.get_run("r1") == created
+            await asyncio.to_thread(
+                execute_sql, url, "ALTER TABLE durably_runs ADD COLUMN added_later int"
+            )
+            assert await store.get_run("r1") == created
+            assert await store.get_run("r1") == created
+        finally:
+            await store.close()
+
+    asyncio.run(main())
 
 
 def test_a_closed_connection_is_freed_with_what_its_rounds_kept(postgres_schema: str) -> None:

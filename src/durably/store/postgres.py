@@ -126,6 +126,13 @@ class PostgresStore(SQLStore):
                             with contextlib.suppress(psycopg.Error):
                                 await conn.execute("ROLLBACK")
                         raise
+            except (psycopg.errors.InvalidSqlStatementName, psycopg.errors.FeatureNotSupported):
+                # The server no longer held a statement of the round as it was prepared (see
+                # pg_wire._forget): it is prepared again next time, and a refused round
+                # applied nothing, its COMMIT included, so the work goes once more.
+                if attempt == 1:
+                    continue
+                raise
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 if attempt == 1 and (idempotent or not sent.commit):
                     await pool.check()
