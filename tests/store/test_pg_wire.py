@@ -5,9 +5,11 @@ hold when a round goes wrong halfway. (tests/contract runs every plan through it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import decimal
 import gc
+import logging
 import random
 import uuid
 import weakref
@@ -23,10 +25,11 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
+from durably.errors import RunNotFound
 from durably.store.base import NewRun
 from durably.store.pg_wire import send_round, statement
 from durably.store.postgres import PostgresStore
-from tests.conftest import execute_sql, postgres_schema_url
+from tests.conftest import execute_sql, fetch_sql, postgres_schema_url
 
 Conn = psycopg.AsyncConnection[dict[str, Any]]
 
@@ -416,3 +419,50 @@ def test_a_closed_connection_is_freed_with_what_its_rounds_kept(postgres_schema:
         assert [ref() for ref in gone] == [None, None]
 
     asyncio.run(main())
+
+
+def test_store_operations_cut_anywhere_leave_the_store_working_and_its_writes_whole(
+    postgres_schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store's own path (``_transact``: its ROLLBACK after a refusal, its retry) under
+    timeouts landing anywhere: a run is created whole or not at all, a refused request
+    (a run that is not there, refused after its first round, inside BEGIN) is rolled back by
+    the store, and no connection goes back to the pool mid-transaction for the pool to
+    roll back."""
+    rng = random.Random(7)
+    url = postgres_schema_url(postgres_schema)
+
+    async def main() -> None:
+        store = PostgresStore(url, pool_size=2)
+        await store.migrate()
+        try:
+            made = set()
+            for n in range(150):
+                new = NewRun(f"r{n}", "default", "wf", "1", {}, f'{{"args": [{n}]}}', "h", 2)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(store.create_run(new), rng.random() / 200)
+                    made.add(new.run_id)
+                with contextlib.suppress(TimeoutError, RunNotFound):
+                    await asyncio.wait_for(
+                        store.request_cancel(f"absent{n}", compensate=False), rng.random() / 200
+                    )
+                run = await store.get_run(new.run_id)
+                assert run is None or run.input == {"args": [n]}, run
+                if run is not None:
+                    made.add(run.run_id)
+            assert 10 < len(made) < 150
+            # A write cut after its round went out may still land (the server runs what it
+            # was sent up to the Sync, whoever is still listening): later, but whole.
+            await asyncio.sleep(0.5)
+            listed = await asyncio.to_thread(fetch_sql, url, "SELECT run_id FROM durably_runs")
+            assert made <= {row[0] for row in listed}
+            for (run_id,) in listed:
+                run = await store.get_run(run_id)
+                assert run is not None
+                assert run.input == {"args": [int(run_id[1:])]}
+        finally:
+            await store.close()
+
+    with caplog.at_level(logging.WARNING, logger="psycopg.pool"):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if "rolling back" in r.getMessage()]
