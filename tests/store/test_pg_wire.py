@@ -466,3 +466,30 @@ def test_store_operations_cut_anywhere_leave_the_store_working_and_its_writes_wh
     with caplog.at_level(logging.WARNING, logger="psycopg.pool"):
         asyncio.run(main())
     assert not [r for r in caplog.records if "rolling back" in r.getMessage()]
+
+
+def test_a_refusal_inside_begin_leaves_the_transaction_failed_until_rolled_back(
+    postgres_schema: str,
+) -> None:
+    """A round that opened a transaction and had a statement refused leaves it failed (the
+    store's ROLLBACK is what ends it): nothing of it applied, every statement sent to it
+    refused, a statement first prepared there prepared again later."""
+
+    async def body(pool: AsyncConnectionPool[Conn]) -> None:
+        begin = statement("BEGIN")
+        count = statement("SELECT count(*) AS n FROM t WHERE v <> %(v)s")
+        async with pool.connection() as db:
+            await send_round(db, [(INSERT, {"id": 1, "v": "a"})])
+            with pytest.raises(psycopg.errors.UniqueViolation):
+                await send_round(
+                    db,
+                    [(begin, None), (INSERT, {"id": 2, "v": "b"}), (INSERT, {"id": 1, "v": "c"})],
+                )
+            assert db.info.transaction_status == TransactionStatus.INERROR
+            with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+                await send_round(db, [(ECHO, {"a": 1, "b": "x"}), (count, {"v": "z"})])
+            assert db.info.transaction_status == TransactionStatus.INERROR
+            await db.execute("ROLLBACK")
+            assert await send_round(db, [(count, {"v": "z"})]) == [[{"n": 1}]]
+
+    run(postgres_schema, body)
