@@ -493,3 +493,24 @@ def test_a_refusal_inside_begin_leaves_the_transaction_failed_until_rolled_back(
             assert await send_round(db, [(count, {"v": "z"})]) == [[{"n": 1}]]
 
     run(postgres_schema, body)
+
+
+def test_the_store_answers_after_the_server_dropped_its_prepared_statements(
+    postgres_schema: str,
+) -> None:
+    """DEALLOCATE ALL on the store's connection (a pooler's reset, an administrator): the
+    next operation is answered, its statements prepared again."""
+
+    async def main() -> None:
+        store = PostgresStore(postgres_schema_url(postgres_schema), pool_size=1)
+        await store.migrate()
+        try:
+            assert await store.get_run("r1") is None
+            pool = await store._get_pool()
+            async with pool.connection() as db:
+                await db.execute("DEALLOCATE ALL", prepare=False)
+            assert await store.get_run("r1") is None
+        finally:
+            await store.close()
+
+    asyncio.run(main())
