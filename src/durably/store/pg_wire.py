@@ -86,8 +86,10 @@ async def send_round(
     of the round has been read."""
     wire = _wires.get(conn)
     if wire is None:
-        for closed in [other for other in _wires if other.closed]:
-            del _wires[closed]
+        # From a copy (taken in one step): another thread's event loop may add its own.
+        for other in list(_wires):
+            if other.closed:
+                _wires.pop(other, None)
         wire = _wires[conn] = _Wire(conn)
     pgconn = conn.pgconn
     try:
