@@ -514,3 +514,43 @@ def test_the_store_answers_after_the_server_dropped_its_prepared_statements(
             await store.close()
 
     asyncio.run(main())
+
+
+def test_backends_ended_at_random_points_of_rounds_are_always_operational_errors(
+    postgres_schema: str,
+) -> None:
+    """The backend ended while a round is being sent (past the socket's buffers), run or
+    answered: every time psycopg's OperationalError, the connection closed, never a hang,
+    another error class or a half-read answer; the next connection works."""
+    rng = random.Random(42)
+    url = postgres_schema_url(postgres_schema)
+    echo = statement("SELECT %(s)s::text AS s")
+
+    async def body(pool: AsyncConnectionPool[Conn]) -> None:
+        outcomes: dict[str, int] = {}
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as killer:
+            for _ in range(60):
+                async with pool.connection() as db:
+                    ((mine,),) = await send_round(db, [(PID, None)])
+                    size = rng.choice([10, 100_000, 2_000_000])
+                    round_ = [(echo, {"s": "x" * size}), (SLEEP, {"s": rng.random() / 50})] * 3
+                    waiting = asyncio.ensure_future(send_round(db, round_))
+                    await asyncio.sleep(rng.random() / 50)
+                    await killer.execute("SELECT pg_terminate_backend(%s)", [mine["pid"]])
+                    try:
+                        answers = await asyncio.wait_for(waiting, 20)
+                    except psycopg.OperationalError:
+                        assert db.closed
+                        outcomes["ended"] = outcomes.get("ended", 0) + 1
+                    else:
+                        assert [rows[0]["s"] for rows in answers[::2]] == ["x" * size] * 3
+                        outcomes["answered"] = outcomes.get("answered", 0) + 1
+                async with pool.connection() as db:
+                    if not db.closed:  # ended after its round: the next round finds out
+                        with contextlib.suppress(psycopg.OperationalError):
+                            await send_round(db, [(PID, None)])
+        assert outcomes.get("ended", 0) > 20
+        async with pool.connection() as db:
+            assert await send_round(db, [(echo, {"s": "y"})]) == [[{"s": "y"}]]
+
+    run(postgres_schema, body)
