@@ -554,3 +554,34 @@ def test_backends_ended_at_random_points_of_rounds_are_always_operational_errors
             assert await send_round(db, [(echo, {"s": "y"})]) == [[{"s": "y"}]]
 
     run(postgres_schema, body)
+
+
+def test_every_pooled_connection_answers_through_a_migration_that_adds_a_column(
+    postgres_schema: str,
+) -> None:
+    """With several connections in the pool, each holding the statement as it was: the
+    operation that finds one of them out is answered still, wherever its retry lands."""
+    url = postgres_schema_url(postgres_schema)
+
+    async def main() -> None:
+        store = PostgresStore(url, pool_size=4)
+        await store.migrate()
+        try:
+            created, _ = await store.create_run(
+                NewRun("r1", "default", "wf", "1", {"args": [], "kwargs": {}}, "{}", "h", 2)
+            )
+            pool = await store._get_pool()
+
+            # Every connection prepares the read: 4 at once, each lent while the others are.
+            await asyncio.gather(*[store.get_run("r1") for _ in range(8)])
+            while pool.get_stats()["pool_size"] < 4:
+                await asyncio.gather(*[store.get_run("r1") for _ in range(8)])
+            await asyncio.to_thread(
+                execute_sql, url, "ALTER TABLE durably_runs ADD COLUMN added_later int"
+            )
+            for _ in range(8):
+                assert await store.get_run("r1") == created
+        finally:
+            await store.close()
+
+    asyncio.run(main())
