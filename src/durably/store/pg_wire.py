@@ -8,7 +8,8 @@ adapters turn Python values into parameters and result columns back into Python 
 its error classes name what the server refused — and drives the protocol itself:
 
 * every statement is prepared once per connection (named, with the parameter types
-  psycopg's adapters chose) and then only executed;
+  psycopg's adapters chose) and then only executed — prepared again once the server
+  refuses it as no longer prepared, or prepared for a table that changed shape;
 * a round is one libpq pipeline closed by one Sync, so its statements are one implicit
   transaction unless the round opens one, and go out in one round trip;
 * a connection whose round was interrupted (cancelled, or the socket failed) is closed,
