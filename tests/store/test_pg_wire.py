@@ -170,11 +170,14 @@ def test_statements_the_server_forgot_are_prepared_again(postgres_schema: str) -
                 [{"a": 1, "b": "x", "c": 2}]
             ]
             await db.execute("DEALLOCATE ALL", prepare=False)
+            # With a statement first prepared after it, in the same round: never run.
+            first_use = statement("SELECT %(n)s::int AS n")
             with pytest.raises(psycopg.errors.InvalidSqlStatementName):
-                await send_round(db, [(ECHO, {"a": 1, "b": "x"})])
+                await send_round(db, [(ECHO, {"a": 1, "b": "x"}), (first_use, {"n": 1})])
             assert db.info.transaction_status == TransactionStatus.IDLE
-            assert await send_round(db, [(ECHO, {"a": 2, "b": "y"})]) == [
-                [{"a": 2, "b": "y", "c": 3}]
+            assert await send_round(db, [(ECHO, {"a": 2, "b": "y"}), (first_use, {"n": 2})]) == [
+                [{"a": 2, "b": "y", "c": 3}],
+                [{"n": 2}],
             ]
 
     run(postgres_schema, body)

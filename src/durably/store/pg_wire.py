@@ -172,7 +172,8 @@ def _rows(wire: _Wire, sent: list[_Sent], results: list[PGresult]) -> list[Rows]
         if preparing:
             prepared = next(read)
             if prepared.status != ExecStatus.COMMAND_OK:
-                del wire.prepared[key]
+                # Perhaps gone already: _forget, for a statement before it, forgets them all.
+                wire.prepared.pop(key, None)
                 refused = refused or _refusal(prepared)
         result = next(read)
         status = result.status
