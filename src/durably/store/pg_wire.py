@@ -8,7 +8,8 @@ adapters turn Python values into parameters and result columns back into Python 
 its error classes name what the server refused — and drives the protocol itself:
 
 * every statement is prepared once per connection (named, with the parameter types
-  psycopg's adapters chose) and then only executed;
+  psycopg's adapters chose) and then only executed — prepared again once the server
+  refuses it as no longer prepared, or prepared for a table that changed shape;
 * a round is one libpq pipeline closed by one Sync, so its statements are one implicit
   transaction unless the round opens one, and go out in one round trip;
 * a connection whose round was interrupted (cancelled, or the socket failed) is closed,
@@ -20,14 +21,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.adapt import PyFormat, Transformer
 from psycopg.errors import error_from_result
-from psycopg.pq import ExecStatus
+from psycopg.pq import DiagnosticField, ExecStatus
 from psycopg.pq.abc import PGconn, PGresult
 
 from durably.store.plans import Rows
@@ -71,8 +71,10 @@ class _Sent(NamedTuple):
     preparing: bool
 
 
-_wires: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], _Wire]
-_wires = weakref.WeakKeyDictionary()
+# Not weakly keyed: a wire's Transformer holds its connection, so an entry would keep its
+# key alive for ever. Entries of closed connections go when a new connection comes (the
+# pool replacing them): at most the pool's connections and those it closed since.
+_wires: dict[psycopg.AsyncConnection[Any], _Wire] = {}
 
 
 async def send_round(
@@ -85,6 +87,10 @@ async def send_round(
     of the round has been read."""
     wire = _wires.get(conn)
     if wire is None:
+        # From a copy (taken in one step): another thread's event loop may add its own.
+        for other in list(_wires):
+            if other.closed:
+                _wires.pop(other, None)
         wire = _wires[conn] = _Wire(conn)
     pgconn = conn.pgconn
     try:
@@ -166,7 +172,8 @@ def _rows(wire: _Wire, sent: list[_Sent], results: list[PGresult]) -> list[Rows]
         if preparing:
             prepared = next(read)
             if prepared.status != ExecStatus.COMMAND_OK:
-                del wire.prepared[key]
+                # Perhaps gone already: _forget, for a statement before it, forgets them all.
+                wire.prepared.pop(key, None)
                 refused = refused or _refusal(prepared)
         result = next(read)
         status = result.status
@@ -177,9 +184,28 @@ def _rows(wire: _Wire, sent: list[_Sent], results: list[PGresult]) -> list[Rows]
         else:  # refused, or not run after a refusal (the whole round is rolled back)
             refused = refused or _refusal(result)
             answers.append([])
+            _forget(wire, key, name, result)
     if refused is not None:
         raise error_from_result(refused, wire.encoding)
     return answers
+
+
+def _forget(wire: _Wire, key: tuple[bytes, tuple[int, ...]], name: bytes, result: PGresult) -> None:
+    """Forget what the server no longer holds as it was prepared, so that the next round
+    using it prepares it again rather than being refused the same way for ever."""
+    state = result.error_field(DiagnosticField.SQLSTATE)
+    if state == b"26000":  # invalid_sql_statement_name
+        # The server dropped this connection's statements (DEALLOCATE ALL; DISCARD ALL, a
+        # pooler's reset): all of them. Names go on counting, so a statement prepared again
+        # never clashes with one the server may still hold.
+        wire.prepared.clear()
+        wire.columns.clear()
+    elif state == b"0A000":  # feature_not_supported: "cached plan must not change result type"
+        # Its tables changed shape under it (a migration added a column): PostgreSQL
+        # refuses it from now on. Prepared again under a new name; the old one stays on
+        # the server until the connection closes.
+        wire.prepared.pop(key, None)
+        wire.columns.pop(name, None)
 
 
 def _refusal(result: PGresult) -> PGresult | None:

@@ -48,6 +48,8 @@ _BEGIN: Statement = (pg_wire.statement("BEGIN"), None)
 _SNAPSHOT: Statement = (pg_wire.statement("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"), None)
 _COMMIT: Statement = (pg_wire.statement("COMMIT"), None)
 _NOTIFY: Statement = (_SQL["notify"], None)
+_FORGOTTEN = (psycopg.errors.InvalidSqlStatementName, psycopg.errors.FeatureNotSupported)
+"""A round's statement the server no longer holds as it was prepared (``pg_wire._forget``)."""
 
 
 class _Sent:
@@ -119,13 +121,7 @@ class PostgresStore(SQLStore):
             sent = _Sent()
             try:
                 async with pool.connection() as conn:
-                    try:
-                        return await work(conn, sent)
-                    except BaseException:
-                        if conn.info.transaction_status != TransactionStatus.IDLE:
-                            with contextlib.suppress(psycopg.Error):
-                                await conn.execute("ROLLBACK")
-                        raise
+                    return await self._attempt(conn, work, sent)
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 if attempt == 1 and (idempotent or not sent.commit):
                     await pool.check()
@@ -134,6 +130,25 @@ class PostgresStore(SQLStore):
                     f"the database at {shown_url(self.url)} failed a transaction ({exc}); "
                     "the run is read back from the store before anything else happens"
                 ) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    async def _attempt(conn: AsyncConn, work: Work[T], sent: _Sent) -> T:
+        """``work`` on ``conn``, rolled back if it fails. Refused because the server no
+        longer held a statement of a round as it was prepared (see ``pg_wire._forget``),
+        it goes once more on the same connection, where pg_wire now prepares it again —
+        the pool's other connections may hold it as it was too. The refused round applied
+        nothing, its COMMIT included."""
+        for again in (False, True):
+            try:
+                return await work(conn, sent)
+            except BaseException as exc:
+                if conn.info.transaction_status != TransactionStatus.IDLE:
+                    with contextlib.suppress(psycopg.Error):
+                        await conn.execute("ROLLBACK")
+                if again or not isinstance(exc, _FORGOTTEN):
+                    raise
+                sent.commit = False
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- executing plans ----------------------------------------------------------------
