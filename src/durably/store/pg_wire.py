@@ -13,7 +13,9 @@ its error classes name what the server refused — and drives the protocol itsel
 * a round is one libpq pipeline closed by one Sync, so its statements are one implicit
   transaction unless the round opens one, and go out in one round trip;
 * a connection whose round was interrupted (cancelled, or the socket failed) is closed,
-  so that the pool never hands out a connection with answers still on the way.
+  so that the pool never hands out a connection with answers still on the way. The server
+  still runs what it received up to its Sync: an interrupted write's outcome is unknown,
+  as after a lost COMMIT (the store reads the run back, and the lease fences the rest).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg.adapt import PyFormat, Transformer
 from psycopg.errors import error_from_result
-from psycopg.pq import DiagnosticField, ExecStatus
+from psycopg.pq import ConnStatus, DiagnosticField, ExecStatus
 from psycopg.pq.abc import PGconn, PGresult
 
 from durably.store.plans import Rows
@@ -137,6 +139,11 @@ async def _answers(pgconn: PGconn) -> list[PGresult]:
         while not pgconn.is_busy():
             result = pgconn.get_result()
             if result is None:  # the end of one statement's results
+                if pgconn.status == ConnStatus.BAD:
+                    # libpq gave up on the connection (a protocol error): no result will
+                    # ever come, and this loop would spin without waiting for any.
+                    message = pgconn.error_message.decode(errors="replace")
+                    raise psycopg.OperationalError(f"the connection was lost: {message}")
                 continue
             if result.status == ExecStatus.PIPELINE_SYNC:
                 return results

@@ -97,7 +97,9 @@ class PostgresStore(SQLStore):
             max_size=self.pool_size,
             open=False,
             # autocommit: every transaction is an explicit BEGIN ... COMMIT in our scripts.
-            kwargs={"row_factory": dict_row, "autocommit": True},
+            # prepare_threshold: psycopg's own statement cache would prepare the store's
+            # ROLLBACKs and may DEALLOCATE ALL, taking pg_wire's statements with it.
+            kwargs={"row_factory": dict_row, "autocommit": True, "prepare_threshold": None},
             timeout=self.connect_timeout_s,
         )
         try:
