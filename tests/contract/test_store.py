@@ -171,6 +171,68 @@ def test_a_step_commit_by_a_fenced_owner_writes_nothing(store: Store) -> None:
     assert "late" not in [e.type for e in run(store.events("r1"))]
 
 
+def ending(run_id: str, at: tuple[int, int]) -> Transition:
+    """An execution's ending (on PostgreSQL ``commit_ending`` when the run is at ``at``)."""
+    draft = JournalState(run_id).draft(status="completed", current_step=None, prune=True)
+    return Transition(
+        events=[EventWrite("run_completed")],
+        run=RunUpdate(RunStatus.COMPLETED, result_json="1"),
+        checkpoint=draft,
+        release=True,
+        at=at,
+    )
+
+
+def test_an_ending_applies_whole_at_the_runs_real_state_or_not_at_all(store: Store) -> None:
+    """An ending names the state its holder last committed: at that state, or at another
+    (an event arrived since), it is sealed where the run really is; under a lost lease
+    nothing of it applies."""
+    run(store.create_run(new_run()))
+    old = run(store.claim_run("r1", "w1", 0.05))
+    assert old is not None
+    time.sleep(0.1)
+    held = run(store.claim_next("w2", 30, ["wf|1"]))
+    assert held is not None
+    step = run(store.commit(held.lease, Transition(events=[EventWrite("step")])))
+    at = (step.state_version, step.last_sequence)
+    before = run(store.load_journal("r1"))
+    with pytest.raises(LeaseLostError):
+        run(store.commit(old.lease, ending("r1", at)))
+    assert run(store.load_journal("r1")) == before
+
+    def ended_where_the_run_is(stale: bool) -> None:
+        run(store.create_run(new_run(run_id="r2" if stale else "r3")))
+        claim = run(store.claim_run("r2" if stale else "r3", "w1", 30))
+        assert claim is not None
+        step = run(store.commit(claim.lease, Transition(events=[EventWrite("step")])))
+        at = (step.state_version, step.last_sequence)
+        if stale:  # the run moved after the holder's last commit
+            assert run(store.deliver_signal(claim.run.run_id, "e1", "aside", "{}"))
+        done = run(store.commit(claim.lease, ending(claim.run.run_id, at)))
+        stored = run(store.get_run(claim.run.run_id))
+        assert stored is not None
+        assert stored.status is RunStatus.COMPLETED
+        assert stored.lease_owner is None
+        assert (done.state_version, done.last_sequence) == (
+            stored.state_version,
+            stored.last_sequence,
+        )
+        journal = run(store.load_journal(claim.run.run_id))
+        assert journal is not None
+        newest = journal.checkpoints[0].payload
+        assert (newest["state_version"], newest["last_event_sequence"]) == (
+            stored.state_version,
+            stored.last_sequence,
+        )
+        assert from_stored(journal.checkpoints[0].payload, journal.checkpoints[0].checksum)
+        events = [e.type for e in run(store.events(claim.run.run_id))]
+        assert events[-1] == "run_completed"
+        assert ("event_received" in events) == stale
+
+    ended_where_the_run_is(stale=False)
+    ended_where_the_run_is(stale=True)
+
+
 def test_commit_assigns_gap_free_sequences(store: Store) -> None:
     """Events get consecutive sequences per run, across commits."""
     run(store.create_run(new_run()))
