@@ -13,7 +13,7 @@ import psycopg.errors
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from durably.store.pg_wire import statement
+from durably.store.pg_wire import send_round, statement
 from tests.conftest import postgres_schema_url
 
 Conn = psycopg.AsyncConnection[dict[str, Any]]
@@ -59,3 +59,10 @@ async def terminate(url: str, pid: int) -> None:
     timeout would."""
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as other:
         await other.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
+async def assert_pool_works(pool: AsyncConnectionPool[Conn]) -> None:
+    """The pool lends a connection that answers a round."""
+    async with pool.connection() as db:
+        assert not db.closed
+        assert await send_round(db, [(ECHO, {"a": 1, "b": "x"})]) == [[{"a": 1, "b": "x", "c": 2}]]

@@ -153,7 +153,6 @@ def start_run_leased(
     """``start_run`` in one round, for a backend with ``start_run`` (the run, its event and
     receipt, and its lease in one statement): the new run's journal is read after it in
     the same transaction, or the run already there in its place."""
-    payload = {"workflow": new.workflow, "version": new.workflow_version}
     receipt: dict[str, Any] = {"schema_version": None, "payload_json": None, "checksum": None}
     if new.receipt is not None:
         receipt = insert_checkpoint(new.receipt, 1, 1)[1]
@@ -161,7 +160,7 @@ def start_run_leased(
         **vars(new),
         "owner": owner,
         "ttl": ttl_s,
-        "event_json": plain_json(payload),
+        "event_json": plain_json(_started(new)),
         "receipt": new.receipt is not None,
         "schema_version": receipt["schema_version"],
         "checkpoint_json": receipt["payload_json"],
@@ -178,10 +177,14 @@ def start_run_leased(
     return run, True, claim
 
 
+def _started(new: NewRun) -> dict[str, Any]:
+    """The payload of a new run's ``run_started`` event."""
+    return {"workflow": new.workflow, "version": new.workflow_version}
+
+
 def _received(new: NewRun, inserted: Row) -> list[Query]:
     """A new run's ``run_started`` event and its receipt checkpoint."""
-    payload = {"workflow": new.workflow, "version": new.workflow_version}
-    queries = [insert_event(new.run_id, 1, "run_started", None, payload)]
+    queries = [insert_event(new.run_id, 1, "run_started", None, _started(new))]
     if new.receipt is not None:
         # The task is received: a recoverable boundary before anything runs.
         queries.append(insert_checkpoint(new.receipt, inserted["state_version"], 1))
