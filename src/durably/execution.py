@@ -127,7 +127,8 @@ class RunContext(CallIdentity, JoinsApprovals):
     """Keys of the operations a recovered run found unsettled (executing, unknown, being
     reconciled): the run is ``reconciling`` until each is settled or re-sent."""
     at: tuple[int, int] | None = None
-    """(state_version, last_sequence) as this execution's last commit left the run."""
+    """(state_version, last_sequence) where this execution last saw the run: its journal, then
+    each of its commits."""
 
     def __post_init__(self) -> None:
         self.root = Scope(self)
@@ -360,8 +361,10 @@ class RunContext(CallIdentity, JoinsApprovals):
                 self.journal.effect_completed(effect)
             self.journal.budget = self.budget()
             t = transition() if callable(transition) else transition
-            if t.release and self.at is not None:
-                t = replace(t, at=self.at)  # an ending: see Transition.at
+            if self.at is not None and (
+                t.checkpoint is not None or t.operation is not None or t.run is not None
+            ):
+                t = replace(t, at=self.at)  # see Transition.at
             sent_at = time.monotonic()
             try:
                 committed = await (

@@ -228,6 +228,7 @@ async def load_context(engine: Engine, claim: Claim) -> RunContext:
         pause_requested=journal.run.pause_requested,
         lease_deadline=claim.sent_at + claim.lease.ttl_s,
         previous_lease_until=claim.previous_lease_until,
+        at=(journal.run.state_version, journal.run.last_sequence),
     )
     for approval in journal.approvals:
         ctx.approvals.setdefault(approval.step_id, []).append(approval)

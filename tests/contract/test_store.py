@@ -21,6 +21,7 @@ from durably.store.base import (
     ApprovalRequest,
     EventWrite,
     Expect,
+    Lease,
     NewRun,
     OperationWrite,
     RunUpdate,
@@ -171,66 +172,115 @@ def test_a_step_commit_by_a_fenced_owner_writes_nothing(store: Store) -> None:
     assert "late" not in [e.type for e in run(store.events("r1"))]
 
 
-def ending(run_id: str, at: tuple[int, int]) -> Transition:
-    """An execution's ending (on PostgreSQL ``commit_ending`` when the run is at ``at``)."""
-    draft = JournalState(run_id).draft(status="completed", current_step=None, prune=True)
+def at_state(run_id: str, at: tuple[int, int], kind: str) -> Transition:
+    """A commit naming the state its holder last saw (on PostgreSQL ``commit_at`` while the
+    run is still there): an execution's ending, an effect's intent, or its outcome."""
+    status = "completed" if kind == "ending" else "running"
+    draft = JournalState(run_id).draft(status=status, current_step=None, prune=True)
+    if kind == "ending":
+        return Transition(
+            events=[EventWrite("run_completed")],
+            run=RunUpdate(RunStatus.COMPLETED, result_json="1"),
+            checkpoint=draft,
+            release=True,
+            at=at,
+        )
+    executing, key = kind == "intent", f"k-{run_id}"
+    operation = (
+        op_write(key, run_id=run_id, status=OperationStatus.EXECUTING, attempt=1, hold_lease=True)
+        if executing
+        else op_write(
+            key,
+            run_id=run_id,
+            status=OperationStatus.SUCCEEDED,
+            result_json="1",
+            expect_row_version=1,
+        )
+    )
+    step = StepWrite(
+        "t#1",
+        1,
+        "tool",
+        "t",
+        StepStatus.EXECUTING if executing else StepStatus.SUCCEEDED,
+        "ih",
+        output_json=None if executing else "1",
+        idempotency_key=key,
+        settle=not executing,
+    )
     return Transition(
-        events=[EventWrite("run_completed")],
-        run=RunUpdate(RunStatus.COMPLETED, result_json="1"),
+        events=[EventWrite(f"effect_{kind}", "t#1")],
+        step=step,
+        operation=operation,
         checkpoint=draft,
-        release=True,
         at=at,
     )
 
 
-def test_an_ending_applies_whole_at_the_runs_real_state_or_not_at_all(store: Store) -> None:
-    """An ending names the state its holder last committed: at that state, or at another
-    (an event arrived since), it is sealed where the run really is; under a lost lease
-    nothing of it applies."""
+def before_commit_at(store: Store, lease: Lease, kind: str) -> tuple[int, int]:
+    """What a commit of ``kind`` follows (an effect's outcome, its intent), committed by
+    ``lease``'s holder; the state it left the run in."""
+    if kind == "outcome":
+        intent = at_state(lease.run_id, (0, 0), "intent")
+        done = run(store.commit(lease, replace(intent, at=None)))
+    else:
+        done = run(store.commit(lease, Transition(events=[EventWrite("step")])))
+    return (done.state_version, done.last_sequence)
+
+
+@pytest.mark.parametrize("kind", ["ending", "intent", "outcome"])
+def test_a_commit_at_a_known_state_applies_whole_where_the_run_is_or_not_at_all(
+    store: Store, kind: str
+) -> None:
+    """A commit names the state its holder last saw: at that state, or at another (an event
+    arrived since), it is sealed where the run really is, with its operation written once;
+    under a lost lease nothing of it applies."""
     run(store.create_run(new_run()))
     old = run(store.claim_run("r1", "w1", 0.05))
     assert old is not None
+    at = before_commit_at(store, old.lease, kind)
     time.sleep(0.1)
-    held = run(store.claim_next("w2", 30, ["wf|1"]))
-    assert held is not None
-    step = run(store.commit(held.lease, Transition(events=[EventWrite("step")])))
-    at = (step.state_version, step.last_sequence)
+    assert run(store.claim_next("w2", 30, ["wf|1"])) is not None
     before = run(store.load_journal("r1"))
     with pytest.raises(LeaseLostError):
-        run(store.commit(old.lease, ending("r1", at)))
+        run(store.commit(old.lease, at_state("r1", at, kind)))
     assert run(store.load_journal("r1")) == before
 
-    def ended_where_the_run_is(stale: bool) -> None:
-        run(store.create_run(new_run(run_id="r2" if stale else "r3")))
-        claim = run(store.claim_run("r2" if stale else "r3", "w1", 30))
+    def committed_where_the_run_is(run_id: str, stale: bool) -> None:
+        run(store.create_run(new_run(run_id)))
+        claim = run(store.claim_run(run_id, "w1", 30))
         assert claim is not None
-        step = run(store.commit(claim.lease, Transition(events=[EventWrite("step")])))
-        at = (step.state_version, step.last_sequence)
+        at = before_commit_at(store, claim.lease, kind)
         if stale:  # the run moved after the holder's last commit
-            assert run(store.deliver_signal(claim.run.run_id, "e1", "aside", "{}"))
-        done = run(store.commit(claim.lease, ending(claim.run.run_id, at)))
-        stored = run(store.get_run(claim.run.run_id))
-        assert stored is not None
-        assert stored.status is RunStatus.COMPLETED
-        assert stored.lease_owner is None
+            assert run(store.deliver_signal(run_id, "e1", "aside", "{}"))
+        done = run(store.commit(claim.lease, at_state(run_id, at, kind)))
+        journal = run(store.load_journal(run_id))
+        assert journal is not None
+        stored = journal.run
+        assert (stored.status is RunStatus.COMPLETED) == (kind == "ending")
+        assert (stored.lease_owner is None) == (kind == "ending")
         assert (done.state_version, done.last_sequence) == (
             stored.state_version,
             stored.last_sequence,
         )
-        journal = run(store.load_journal(claim.run.run_id))
-        assert journal is not None
-        newest = journal.checkpoints[0].payload
-        assert (newest["state_version"], newest["last_event_sequence"]) == (
+        newest = journal.checkpoints[0]
+        assert (newest.payload["state_version"], newest.payload["last_event_sequence"]) == (
             stored.state_version,
             stored.last_sequence,
         )
-        assert from_stored(journal.checkpoints[0].payload, journal.checkpoints[0].checksum)
-        events = [e.type for e in run(store.events(claim.run.run_id))]
-        assert events[-1] == "run_completed"
+        assert from_stored(newest.payload, newest.checksum)
+        events = [e.type for e in run(store.events(run_id))]
+        assert events[-1] == ("run_completed" if kind == "ending" else f"effect_{kind}")
         assert ("event_received" in events) == stale
+        if kind != "ending":
+            (op,) = journal.operations
+            assert done.operation_row_version == op.row_version == (1 if kind == "intent" else 2)
+            assert op.status is at_state(run_id, at, kind).operation.status  # type: ignore[union-attr]
+            (step,) = journal.steps
+            assert (step.settled_sequence == stored.last_sequence) == (kind == "outcome")
 
-    ended_where_the_run_is(stale=False)
-    ended_where_the_run_is(stale=True)
+    committed_where_the_run_is("r2", stale=False)
+    committed_where_the_run_is("r3", stale=True)
 
 
 def test_commit_assigns_gap_free_sequences(store: Store) -> None:
@@ -243,12 +293,16 @@ def test_commit_assigns_gap_free_sequences(store: Store) -> None:
     assert [e.sequence for e in run(store.events("r1"))] == [1, 2, 3, 4]
 
 
-def test_commit_is_atomic(store: Store) -> None:
-    """A failed operation precondition rolls back the events, step and checkpoint with it."""
+@pytest.mark.parametrize("named_state", [False, True])
+def test_commit_is_atomic(store: Store, named_state: bool) -> None:
+    """A failed operation precondition rolls back the events, step and checkpoint with it,
+    also where the commit names the state the run is at (on PostgreSQL ``commit_at`` first)."""
     run(store.create_run(new_run()))
     claim = run(store.claim_run("r1", "w1", 30))
     assert claim is not None
-    run(store.commit(claim.lease, Transition(events=[EventWrite("intent")], operation=op_write())))
+    intent = run(
+        store.commit(claim.lease, Transition(events=[EventWrite("intent")], operation=op_write()))
+    )
     before = run(store.load_journal("r1"))
     assert before is not None
     bad = Transition(
@@ -256,6 +310,7 @@ def test_commit_is_atomic(store: Store) -> None:
         step=StepWrite("t#1", 1, "tool", "t", StepStatus.SUCCEEDED, "ih", output_json="1"),
         operation=op_write(status=OperationStatus.SUCCEEDED, expect_row_version=99),
         checkpoint=JournalState("r1").draft(status="running", current_step="t#1"),
+        at=(intent.state_version, intent.last_sequence) if named_state else None,
     )
     with pytest.raises(InvalidTransition):
         run(store.commit(claim.lease, bad))

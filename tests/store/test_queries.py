@@ -28,7 +28,7 @@ OWN = {
         "notify",
         "migration_lock",
         "commit_step",
-        "commit_ending",
+        "commit_at",
         "start_run",
     },
 }

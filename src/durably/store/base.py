@@ -297,8 +297,8 @@ class Transition:
     use_approval: ApprovalUse | None = None
     """Raises ApprovalExpired (and nothing of the transition applies) if not usable."""
     at: tuple[int, int] | None = None
-    """(state_version, last_sequence) the lease holder last committed. Where the run still
-    is there, a backend may seal the checkpoint before the fence returns and commit in one
+    """(state_version, last_sequence) where the lease holder last saw the run. Where the run
+    still is there, a backend may seal the checkpoint before the fence returns and commit in one
     statement; a run found elsewhere (a signal arrived, the lease was lost) takes the full
     commit instead."""
 

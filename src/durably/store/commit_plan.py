@@ -196,21 +196,19 @@ def _commit_step(guard: Lease, t: Transition) -> Plan[Committed]:
     return _committed(fenced[0], None)
 
 
-def ends_in_one_statement(t: Transition) -> bool:
-    """Whether ``t`` fits ``commit_ending``: an execution's ending (one event, the run's new
-    status, a checkpoint, the lease released) that names the state it expects the run in,
-    and nothing else. A wait is not one: it also settles requests that arrived meanwhile."""
+def fits_one_statement(t: Transition) -> bool:
+    """Whether ``t`` fits ``commit_at``: it names the state it expects the run in, has one
+    event, and writes an operation, a checkpoint or the run's new status (a bare step is
+    ``commit_step``), with nothing that refuses but the fence and the operation's row and
+    nothing that needs more than one statement: a wait also settles requests that arrived
+    meanwhile, and a released run that can run again wakes the workers."""
     return (
         t.at is not None
-        and t.release
-        and t.run is not None
-        and t.run.status not in WAITING
-        and t.run.status not in RUNNABLE
-        and t.checkpoint is not None
         and len(t.events) == 1
-        and t.step is None
+        and (t.operation is not None or t.checkpoint is not None or t.run is not None)
+        and (t.run is None or t.run.status not in WAITING)
+        and (not t.release or (t.run is not None and t.run.status not in RUNNABLE))
         and not t.more_steps
-        and t.operation is None
         and t.use_approval is None
         and t.consume_signal is None
         and t.wake_on_signal is None
@@ -219,40 +217,83 @@ def ends_in_one_statement(t: Transition) -> bool:
     )
 
 
-def commit_ending(guard: Lease, t: Transition) -> Plan[Committed | None]:
-    """An execution's ending as one statement, its checkpoint sealed at the state after
-    ``t.at``; None (nothing written) unless the lease holds and the run is still at
-    ``t.at``: then the caller commits ``t`` in full, which tells the two apart."""
+def commit_at(guard: Lease, t: Transition) -> Plan[Committed | None]:
+    """``t`` as one statement, its checkpoint sealed at the state after ``t.at``; None
+    (nothing written) unless the lease holds, the run is still at ``t.at`` and the
+    operation's row is as ``t`` expects: then the caller commits ``t`` in full, which tells
+    why."""
     assert t.at is not None
-    assert t.run is not None
-    assert t.checkpoint is not None
     at_state_version, at_sequence = t.at
     (e,) = t.events
-    u = t.run
-    sealed = insert_checkpoint(t.checkpoint, at_state_version + 1, at_sequence + 1)[1]
-    params = {
+    params: dict[str, Any] = {
         "run_id": guard.run_id,
         "owner": guard.owner,
         "epoch": guard.epoch,
+        "ttl": guard.ttl_s,
+        "release": t.release,
         "at_state_version": at_state_version,
         "at_sequence": at_sequence,
-        "status": u.status.value,
-        "status_reason": u.status_reason,
-        "result_json": u.result_json,
-        "error_json": json_or_none(u.error),
-        "waiting_for_json": json_or_none(u.waiting_for),
-        "available_at": u.available_at,
         "type": e.type,
         "event_step_id": e.step_id,
         "payload_json": plain_json(e.payload),
-        "schema_version": sealed["schema_version"],
-        "checkpoint_json": sealed["payload_json"],
-        "checksum": sealed["checksum"],
-        "prune": t.checkpoint.prune,
-        "keep": CHECKPOINTS_KEPT - 1,
+        **_NO_OPERATION,
+        **_NO_RUN_UPDATE,
+        **_NO_STEP,
+        **_NO_CHECKPOINT,
     }
-    (fenced,) = yield Round([("commit_ending", params)], final=True)
-    return _committed(fenced[0], None) if fenced else None
+    o = t.operation
+    if o is not None:
+        name, op = _operation(guard, o)
+        params.update({f"op_{key}": value for key, value in op.items()})
+        params["op"] = "insert" if name == "insert_operation" else "update"
+    if t.run is not None:
+        u = t.run
+        params.update(
+            run_status=u.status.value,
+            run_status_reason=u.status_reason,
+            run_result_json=u.result_json,
+            run_error_json=json_or_none(u.error),
+            run_waiting_for_json=json_or_none(u.waiting_for),
+            run_available_at=u.available_at,
+        )
+    if t.step is not None:
+        params.update({f"step_{key}": value for key, value in _step(t.step).items()})
+        params["step_settle"] = t.step.settle
+    if t.checkpoint is not None:
+        sealed = insert_checkpoint(t.checkpoint, at_state_version + 1, at_sequence + 1)[1]
+        params.update(
+            schema_version=sealed["schema_version"],
+            checkpoint_json=sealed["payload_json"],
+            checksum=sealed["checksum"],
+            prune=t.checkpoint.prune,
+        )
+    (fenced,) = yield Round([("commit_at", params)], final=True)
+    if not fenced:
+        return None
+    written = None if o is None else 1 if o.expect_row_version is None else o.expect_row_version + 1
+    return _committed(fenced[0], written)
+
+
+# commit_at's parameters for what a transition does not write.
+# fmt: off
+_NO_OPERATION: dict[str, Any] = {"op": None} | {f"op_{key}": None for key in (
+    "tenant", "idempotency_key", "run_id", "step_id", "plan_version", "tool", "tool_version",
+    "input_hash", "arguments_json", "status", "result_json", "error_json", "failure_category",
+    "external_operation_id", "attempt", "held", "lease_owner", "lease_epoch", "ttl",
+    "send_deadline", "expect_row_version",
+)}
+_NO_RUN_UPDATE: dict[str, Any] = {f"run_{key}": None for key in (
+    "status", "status_reason", "result_json", "error_json", "waiting_for_json", "available_at",
+)}
+_NO_STEP: dict[str, Any] = {f"step_{key}": None for key in (
+    "step_id", "position", "kind", "name", "status", "input_hash", "output_json", "error_json",
+    "idempotency_key", "attempts", "model_call_json", "settle",
+)}
+_NO_CHECKPOINT: dict[str, Any] = {
+    "schema_version": None, "checkpoint_json": None, "checksum": None, "prune": None,
+    "keep": CHECKPOINTS_KEPT - 1,
+}
+# fmt: on
 
 
 def _step(s: StepWrite) -> dict[str, Any]:

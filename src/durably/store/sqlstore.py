@@ -41,8 +41,9 @@ class SQLStore(Store):
 
     _data_modifying_with = False
     """Whether the dialect has a data-modifying ``WITH``, and with it ``commit_step``,
-    ``commit_ending`` and ``start_run``: a step's whole commit, an execution's ending and a
-    new run's start, as one statement each."""
+    ``commit_at`` and ``start_run``: a step's commit, a commit at the state its lease holder
+    knows (an effect's, a checkpoint's, an ending) and a new run's start, as one statement
+    each."""
 
     @abc.abstractmethod
     async def _run(
@@ -143,11 +144,11 @@ class SQLStore(Store):
         if (
             self._data_modifying_with
             and isinstance(guard, Lease)
-            and commit_plan.ends_in_one_statement(transition)
+            and commit_plan.fits_one_statement(transition)
         ):
-            ended = await self._run(lambda: commit_plan.commit_ending(guard, transition))
-            if ended is not None:
-                return ended
+            committed = await self._run(lambda: commit_plan.commit_at(guard, transition))
+            if committed is not None:
+                return committed
         one = self._data_modifying_with
         return await self._run(lambda: commit_plan.commit(guard, transition, step_statement=one))
 

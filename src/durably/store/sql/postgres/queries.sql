@@ -286,20 +286,65 @@ WITH fence AS (
 )
 SELECT last_sequence, state_version, lease_until, cancel_requested, pause_requested FROM fence;
 
--- name: commit_ending
--- The commit that ends an execution (its one event, the run's new status, the lease released,
--- a checkpoint sealed at the state the holder expects) as one statement: no row unless the
--- lease holds and the run is still at that state. The prune cannot see the checkpoint this
--- statement inserts: it keeps %(keep)s older ones besides.
-WITH fence AS (
-    UPDATE durably_runs SET last_sequence = last_sequence + 1,
-        state_version = state_version + 1, lease_until = NULL, lease_owner = NULL,
-        updated_at = extract(epoch FROM now()), status = %(status)s,
-        status_reason = %(status_reason)s, result_json = coalesce(%(result_json)s, result_json),
-        error_json = %(error_json)s, waiting_for_json = %(waiting_for_json)s,
-        available_at = coalesce(%(available_at)s, available_at)
+-- name: commit_at
+-- A commit at the state its lease holder knows, as one statement: its one event, and any of
+-- the step row, the operation's insert or update, the run's new status, a checkpoint sealed
+-- at the state after %(at_state_version)s and %(at_sequence)s, the lease renewed or released.
+-- No row, and nothing written, unless the lease holds, the run is still at that state and
+-- the operation's row is as expected: then the full commit tells which. The run's row is
+-- locked first, so it cannot move between that check and the fence. The prune cannot see
+-- the checkpoint this statement inserts: it keeps %(keep)s older ones besides.
+WITH held AS (
+    SELECT run_id FROM durably_runs
     WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
       AND state_version = %(at_state_version)s AND last_sequence = %(at_sequence)s
+    FOR UPDATE
+), inserted AS (
+    INSERT INTO durably_tool_operations (tenant_id, idempotency_key, run_id, step_id,
+        plan_version, tool_name, tool_version, input_hash, arguments_json, status, result_json,
+        error_json, failure_category, external_operation_id, attempt, lease_owner, lease_until,
+        lease_epoch, row_version, created_at, updated_at)
+    SELECT %(op_tenant)s, %(op_idempotency_key)s, run_id, %(op_step_id)s, %(op_plan_version)s,
+        %(op_tool)s, %(op_tool_version)s, %(op_input_hash)s, %(op_arguments_json)s,
+        %(op_status)s, %(op_result_json)s, %(op_error_json)s, %(op_failure_category)s,
+        %(op_external_operation_id)s, %(op_attempt)s, %(op_lease_owner)s,
+        CASE WHEN %(op_held)s::boolean THEN extract(epoch FROM now()) + %(op_ttl)s
+            ELSE %(op_send_deadline)s END,
+        %(op_lease_epoch)s, 1, extract(epoch FROM now()), extract(epoch FROM now())
+    FROM held WHERE %(op)s::text = 'insert'
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+), updated AS (
+    UPDATE durably_tool_operations SET status = %(op_status)s,
+        result_json = %(op_result_json)s, error_json = %(op_error_json)s,
+        failure_category = %(op_failure_category)s,
+        external_operation_id = coalesce(%(op_external_operation_id)s, external_operation_id),
+        attempt = %(op_attempt)s, lease_owner = %(op_lease_owner)s,
+        lease_until = CASE WHEN %(op_held)s::boolean THEN extract(epoch FROM now()) + %(op_ttl)s
+            ELSE %(op_send_deadline)s END,
+        lease_epoch = %(op_lease_epoch)s, updated_at = extract(epoch FROM now()),
+        row_version = row_version + 1
+    WHERE %(op)s::text = 'update' AND tenant_id = %(op_tenant)s
+      AND idempotency_key = %(op_idempotency_key)s
+      AND row_version = %(op_expect_row_version)s AND EXISTS (SELECT FROM held)
+    RETURNING 1
+), fence AS (
+    UPDATE durably_runs SET last_sequence = last_sequence + 1,
+        state_version = state_version + 1,
+        lease_until = CASE WHEN %(release)s THEN NULL ELSE extract(epoch FROM now()) + %(ttl)s END,
+        lease_owner = CASE WHEN %(release)s THEN NULL ELSE lease_owner END,
+        updated_at = extract(epoch FROM now()),
+        status = coalesce(%(run_status)s, status),
+        status_reason = CASE WHEN %(run_status)s::text IS NULL THEN status_reason
+            ELSE %(run_status_reason)s END,
+        result_json = coalesce(%(run_result_json)s, result_json),
+        error_json = CASE WHEN %(run_status)s::text IS NULL THEN error_json
+            ELSE %(run_error_json)s END,
+        waiting_for_json = CASE WHEN %(run_status)s::text IS NULL THEN waiting_for_json
+            ELSE %(run_waiting_for_json)s END,
+        available_at = coalesce(%(run_available_at)s, available_at)
+    WHERE run_id IN (SELECT run_id FROM held)
+      AND (%(op)s::text IS NULL OR EXISTS (SELECT FROM inserted) OR EXISTS (SELECT FROM updated))
     RETURNING run_id, last_sequence, state_version, lease_until, cancel_requested,
         pause_requested
 ), event AS (
@@ -307,14 +352,29 @@ WITH fence AS (
     SELECT run_id, last_sequence, %(type)s, %(event_step_id)s, %(payload_json)s,
         extract(epoch FROM now())
     FROM fence
+), step AS (
+    INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, input_hash,
+        output_json, error_json, idempotency_key, attempts, settled_sequence, created_at,
+        updated_at, model_call_json)
+    SELECT run_id, %(step_step_id)s, %(step_position)s, %(step_kind)s, %(step_name)s,
+        %(step_status)s, %(step_input_hash)s, %(step_output_json)s, %(step_error_json)s,
+        %(step_idempotency_key)s, %(step_attempts)s,
+        CASE WHEN %(step_settle)s::boolean THEN last_sequence END, extract(epoch FROM now()),
+        extract(epoch FROM now()), %(step_model_call_json)s
+    FROM fence WHERE %(step_step_id)s::text IS NOT NULL
+    ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
+        output_json = excluded.output_json, error_json = excluded.error_json,
+        attempts = excluded.attempts, model_call_json = excluded.model_call_json,
+        settled_sequence = coalesce(excluded.settled_sequence, durably_steps.settled_sequence),
+        updated_at = excluded.updated_at
 ), checkpoint AS (
     INSERT INTO durably_checkpoints (run_id, state_version, last_event_sequence,
         schema_version, payload_json, checksum, created_at)
     SELECT run_id, state_version, last_sequence, %(schema_version)s,
         %(checkpoint_json)s, %(checksum)s, extract(epoch FROM now())
-    FROM fence
+    FROM fence WHERE %(checkpoint_json)s::text IS NOT NULL
 ), pruned AS (
-    DELETE FROM durably_checkpoints WHERE %(prune)s AND run_id IN (SELECT run_id FROM fence)
+    DELETE FROM durably_checkpoints WHERE %(prune)s::boolean AND run_id IN (SELECT run_id FROM fence)
       AND state_version < (SELECT min(state_version) FROM (SELECT state_version
         FROM durably_checkpoints WHERE run_id = %(run_id)s
         ORDER BY state_version DESC LIMIT %(keep)s) AS kept)
