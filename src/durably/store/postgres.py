@@ -122,8 +122,14 @@ class PostgresStore(SQLStore):
         for attempt in (1, 2):
             sent = _Sent()
             try:
-                async with pool.connection() as conn:
+                # Not pool.connection(): its context also enters the connection's own, a
+                # COMMIT that autocommit makes a no-op but still costs a lock and a wait.
+                # _attempt rolls back what failed; putconn discards a broken connection.
+                conn = await pool.getconn()
+                try:
                     return await self._attempt(conn, work, sent)
+                finally:
+                    await pool.putconn(conn)
             except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
                 if attempt == 1 and (idempotent or not sent.commit):
                     await pool.check()
