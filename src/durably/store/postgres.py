@@ -12,7 +12,8 @@ Round trips dominate the cost of a small transaction, so each round of a plan
 ``BEGIN`` goes with the first round and ``COMMIT`` with the final one, and a plan of one
 round needs neither. A step's commit is one statement in one round trip; a commit that
 refuses on what it reads is two — ``BEGIN`` with every statement whose "no row matched"
-means "refuse", then everything else with ``COMMIT`` — and a read is one.
+means "refuse", then everything else with ``COMMIT`` — and a read is one. Plans of one
+round that are ready at the same moment share a round (group commit, :mod:`.pg_group`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from durably.errors import InvalidTransition, StoreUnavailable
 from durably.store import pg_wire
 from durably.store.base import Committed, Expect, Lease, Transition, shown_url
 from durably.store.migrations import Migrator
+from durably.store.pg_group import Gathering, Write
 from durably.store.pg_wire import send_round
-from durably.store.plans import Plan, Round, Rows
+from durably.store.plans import Plan, Query, Round, Rows
 from durably.store.queries import queries
 from durably.store.sqlstore import SQLStore
 
@@ -75,6 +77,7 @@ class PostgresStore(SQLStore):
         # A LISTEN connection belongs to the task that waits on it (a worker's listener).
         self._listeners: dict[asyncio.Task[Any], AsyncConn] = {}
         self._pool_locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
+        self._gathering = Gathering(self._together, self._alone)
 
     # -- connections --------------------------------------------------------------------
 
@@ -164,9 +167,30 @@ class PostgresStore(SQLStore):
     async def _run(
         self, plan: Callable[[], Plan[T]], *, idempotent: bool = False, read_only: bool = False
     ) -> T:
+        if read_only:
+            work = self._work(plan, None, read_only=True)
+            return await self._transact(work, idempotent=idempotent)
+        steps = plan()
+        first = next(steps)
+        if first.final:
+            result: T = await self._gathering.write(plan, steps, first, idempotent)
+            return result
+        return await self._transact(self._work(plan, (steps, first)), idempotent=idempotent)
+
+    def _work(
+        self,
+        plan: Callable[[], Plan[T]],
+        started: tuple[Plan[T], Round] | None,
+        *,
+        read_only: bool = False,
+    ) -> Work[T]:
+        """``plan`` in one transaction: going on from ``started`` (its first round, already
+        drafted) the first time, afresh on a second attempt."""
+
         async def work(db: AsyncConn, sent: _Sent) -> T:
-            steps = plan()
-            sending = next(steps)
+            nonlocal started
+            steps, sending = started or _begun(plan)
+            started = None
             # A write of one round needs no BEGIN and COMMIT: a pipeline's statements up to
             # its Sync are one implicit transaction, committed at the Sync, rolled back
             # whole if one fails (tests/contract/test_store.py holds this to account).
@@ -192,7 +216,23 @@ class PostgresStore(SQLStore):
                     result: T = done.value
                     return result
 
-        return await self._transact(work, idempotent=idempotent)
+        return work
+
+    async def _together(self, queries: list[Query], notify: bool) -> list[Rows]:
+        """The one-round writes of several runs as one round (see :mod:`.pg_group`)."""
+        statements: list[Statement] = [(_SQL[name], params) for name, params in queries]
+        if notify:
+            statements.append(_NOTIFY)
+
+        async def work(db: AsyncConn, sent: _Sent) -> list[Rows]:
+            sent.commit = True
+            return await send_round(db, statements)
+
+        return await self._transact(work)
+
+    async def _alone(self, write: Write) -> Any:
+        work = self._work(write.plan, write.started())
+        return await self._transact(work, idempotent=write.idempotent)
 
     async def _one(self, name: str, params: dict[str, Any], *, write: bool = False) -> Rows:
         """In autocommit: one round trip (reads, and single writes safe to repeat)."""
@@ -278,6 +318,11 @@ class PostgresStore(SQLStore):
         if listener is not None:
             # What close() does for a connection outside a pool; a done callback cannot await.
             listener.pgconn.finish()
+
+
+def _begun(plan: Callable[[], Plan[T]]) -> tuple[Plan[T], Round]:
+    steps = plan()
+    return steps, next(steps)
 
 
 class _MigrationTarget:
