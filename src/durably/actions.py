@@ -7,7 +7,6 @@ through the store's fenced commit; the App facade, the CLI and the console call 
 
 from __future__ import annotations
 
-import inspect
 import secrets
 import time
 import uuid
@@ -72,11 +71,11 @@ async def start(
         check_id(run_id, "run id")
     check_id(tenant, "tenant")
     try:
-        inspect.signature(wf.fn).bind(*args, **kwargs)
+        wf.signature.bind(*args, **kwargs)
     except TypeError as exc:
         raise InvalidInput(
             f"workflow {wf.name} cannot take this input ({exc}); its signature is "
-            f"{wf.name}{inspect.signature(wf.fn)}"
+            f"{wf.name}{wf.signature}"
         ) from None
     store = await engine.open()
     run_input = {"args": list(args), "kwargs": kwargs}

@@ -85,6 +85,11 @@ class WorkflowDef:
         """Whether this code may execute a run pinned to ``version``."""
         return version == self.version or version in self.migrates_from
 
+    @functools.cached_property
+    def signature(self) -> inspect.Signature:
+        """The workflow function's signature, read once: every start binds its input to it."""
+        return inspect.signature(self.fn)
+
 
 class Signed:
     """A registered callable's signature, and what binding a call to it needs."""
