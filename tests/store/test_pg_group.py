@@ -132,3 +132,40 @@ async def until_a_backend_waits_for_a_lock(schema: str) -> None:
     ):
         assert time.monotonic() < deadline, "the round never reached the server"
         await asyncio.sleep(0.01)
+
+
+def test_writes_that_come_while_a_shared_round_is_on_its_way_go_in_the_next(
+    postgres_schema: str,
+) -> None:
+    """While a shared round is held on the server (a lock on one of its runs' rows), later
+    writes wait for it and then share the next round; one cancelled while waiting is
+    withdrawn, and nothing of it applies."""
+
+    async def main() -> None:
+        async with store_with_runs(postgres_schema, 5) as (store, leases):
+            with psycopg.connect(postgres_schema_url(postgres_schema)) as holder:
+                holder.execute("SELECT 1 FROM durably_runs WHERE run_id = 'r2' FOR UPDATE")
+                first = [
+                    asyncio.ensure_future(store.commit(lease, step("x"))) for lease in leases[:3]
+                ]
+                await until_a_backend_waits_for_a_lock(postgres_schema)
+                later = [
+                    asyncio.ensure_future(store.commit(lease, step("x"))) for lease in leases[3:]
+                ]
+                await asyncio.sleep(0.1)
+                assert not sql(
+                    postgres_schema,
+                    "SELECT 1 FROM durably_events WHERE run_id = 'r3' AND type = 'x'",
+                )
+                later[1].cancel()
+                holder.commit()
+                await asyncio.gather(*first, later[0])
+                with pytest.raises(asyncio.CancelledError):
+                    await later[1]
+
+    asyncio.run(main())
+    rows = dict(
+        sql(postgres_schema, "SELECT run_id, xmin::text FROM durably_events WHERE type = 'x'")
+    )
+    assert sorted(rows) == ["r0", "r1", "r2", "r3"]
+    assert rows["r0"] == rows["r1"] == rows["r2"] != rows["r3"]

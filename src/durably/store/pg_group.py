@@ -6,7 +6,9 @@ by matching no row, never by failing, so the writes of many runs can share one i
 transaction and each still reads only its own statements' rows. The first write becomes
 the round's leader: it lets every task already woken take its turn (one pass of the event
 loop), and the writes queued meanwhile join its round. Alone, it sends its own round, as
-if there were no grouping.
+if there were no grouping. While a shared round is on its way, the writes that come
+meanwhile gather for the next one, sent as soon as it lands (as a database's own group
+commit waits for the flush in progress): under load the rounds grow rather than multiply.
 
 * A shared round that the server refused (a unique violation, a deadlock) applied
   nothing: each of its writes goes again alone, so that only the one at fault fails.
@@ -72,6 +74,7 @@ class Gathering:
         self._alone = alone
         self._joining: dict[asyncio.AbstractEventLoop, list[Write]] = {}
         self._rounds: set[asyncio.Task[None]] = set()
+        self._sending: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
 
     async def write(
         self,
@@ -88,6 +91,8 @@ class Gathering:
             joining.append(me)
             return await self._outcome(me, joining)
         self._joining[loop] = [me]
+        if loop in self._sending:  # a shared round is on its way: this group goes next
+            return await self._outcome(me, self._joining[loop])
         try:
             await asyncio.sleep(0)  # every task already woken queues its write first
         except asyncio.CancelledError:
@@ -105,8 +110,17 @@ class Gathering:
         task = loop.create_task(self._round(writes))
         self._rounds.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(self._rounds.discard)
+        self._sending[loop] = task
+        task.add_done_callback(lambda _: self._landed(loop))
         for w in writes:
             w.round = task
+
+    def _landed(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The shared round on its way landed: the group gathered meanwhile goes."""
+        del self._sending[loop]
+        waiting = self._joining.pop(loop, None)
+        if waiting:
+            self._start(loop, waiting)
 
     async def _outcome(self, me: Write, writes: list[Write]) -> Any:
         try:
