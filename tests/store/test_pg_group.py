@@ -169,3 +169,23 @@ def test_writes_that_come_while_a_shared_round_is_on_its_way_go_in_the_next(
     )
     assert sorted(rows) == ["r0", "r1", "r2", "r3"]
     assert rows["r0"] == rows["r1"] == rows["r2"] != rows["r3"]
+
+
+def test_a_write_that_cannot_be_sent_fails_alone(postgres_schema: str) -> None:
+    """A value the driver refuses to send (text with a NUL byte) fails the shared round
+    before its Sync: nothing of it applied, and the other writes go again on their own."""
+
+    async def main() -> list[object]:
+        async with store_with_runs(postgres_schema, 3) as (store, leases):
+            events = ["x", "bad\x00", "x"]
+            return await asyncio.gather(
+                *(store.commit(lease, step(e)) for lease, e in zip(leases, events, strict=True)),
+                return_exceptions=True,
+            )
+
+    outcomes = asyncio.run(main())
+    assert isinstance(outcomes[1], psycopg.DataError)
+    assert not isinstance(outcomes[0], BaseException)
+    assert not isinstance(outcomes[2], BaseException)
+    rows = sql(postgres_schema, "SELECT run_id FROM durably_events WHERE type = 'x'")
+    assert sorted(r[0] for r in rows) == ["r0", "r2"]

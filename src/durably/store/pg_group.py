@@ -10,8 +10,9 @@ if there were no grouping. While a shared round is on its way, the writes that c
 meanwhile gather for the next one, sent as soon as it lands (as a database's own group
 commit waits for the flush in progress): under load the rounds grow rather than multiply.
 
-* A shared round that the server refused (a unique violation, a deadlock) applied
-  nothing: each of its writes goes again alone, so that only the one at fault fails.
+* A shared round that the server refused (a unique violation, a deadlock), or that
+  failed before its Sync (a value that cannot be sent), applied nothing: each of its
+  writes goes again alone, so that only the one at fault fails.
 * A shared round cut off (the connection lost) leaves each write's outcome unknown, as
   for a write of its own: a write safe to repeat goes again alone, the others fail with
   the error.
@@ -149,9 +150,14 @@ class Gathering:
         try:
             answers = await self._together(queries, any(w.first.notify for w in writes))
         except Exception as exc:
-            cause = exc.__cause__ if isinstance(exc, StoreUnavailable) else exc
-            refused = isinstance(cause, psycopg.Error) and cause.sqlstate is not None
-            await asyncio.gather(*(self._again(w, None if refused else exc) for w in writes))
+            # Only a connection lost on the way leaves the outcome unknown. Anything else
+            # (the server refused a statement, a value failed to adapt before the Sync)
+            # ended the implicit transaction unapplied.
+            cause = exc.__cause__
+            lost = isinstance(exc, StoreUnavailable) and not (
+                isinstance(cause, psycopg.Error) and cause.sqlstate
+            )
+            await asyncio.gather(*(self._again(w, exc if lost else None) for w in writes))
             return
         except BaseException:
             for w in writes:
