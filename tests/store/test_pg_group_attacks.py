@@ -1,0 +1,248 @@
+"""Group commit (``store.pg_group``) and ``commit_at`` attacked on a real PostgreSQL: shared
+rounds that deadlock with another store's, rounds whose connection is cut while the server
+still holds them, operators' writes racing a commit at a known state. Every outcome is
+read back from the database's own rows: a write reported done appears exactly once, a
+write reported refused left nothing, and a write whose outcome is unknown is never
+reported as either."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import psycopg
+import pytest
+
+from durably.checkpoint import JournalState, from_stored
+from durably.status import OperationStatus, RunStatus, StepStatus
+from durably.store.base import (
+    Committed,
+    EventWrite,
+    OperationWrite,
+    RunUpdate,
+    StepWrite,
+    Transition,
+)
+from durably.store.postgres import PostgresStore
+from tests.conftest import postgres_schema_url
+from tests.store.test_pg_group import sql, step, store_with_runs
+
+
+async def until_waiting_for_locks(schema: str, count: int) -> None:
+    """Until ``count`` backends of this database wait for a lock (a round held on the server)."""
+    deadline = time.monotonic() + 10
+    while True:
+        ((waiting,),) = sql(
+            schema,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND datname = current_database()",
+        )
+        if waiting >= count:
+            return
+        assert time.monotonic() < deadline, f"{waiting} of {count} rounds reached the server"
+        await asyncio.sleep(0.01)
+
+
+def events_of(schema: str, run_id: str) -> list[tuple[int, str]]:
+    return [
+        (int(s), str(t))  # type: ignore[call-overload]
+        for s, t in sql(
+            schema,
+            "SELECT sequence, type FROM durably_events WHERE run_id = %s ORDER BY sequence",
+            run_id,
+        )
+    ]
+
+
+def run_row(schema: str, run_id: str) -> tuple[int, int]:
+    ((state_version, last_sequence),) = sql(
+        schema, "SELECT state_version, last_sequence FROM durably_runs WHERE run_id = %s", run_id
+    )
+    return int(state_version), int(last_sequence)  # type: ignore[call-overload]
+
+
+def operation(key: str, run_id: str, **changes: object) -> OperationWrite:
+    base: dict[str, object] = {
+        "tenant": "default",
+        "idempotency_key": key,
+        "run_id": run_id,
+        "step_id": "t#1",
+        "plan_version": 1,
+        "tool": "t",
+        "tool_version": "1",
+        "input_hash": "ih",
+        "arguments_json": "{}",
+        "status": OperationStatus.EXECUTING,
+        "attempt": 1,
+        "hold_lease": True,
+    }
+    base.update(changes)
+    return OperationWrite(**base)  # type: ignore[arg-type]
+
+
+def intent(run_id: str, at: tuple[int, int], key: str | None = None) -> Transition:
+    """An effect's intent at the state its holder last saw (``commit_at`` on PostgreSQL)."""
+    key = key or f"k-{run_id}"
+    return Transition(
+        events=[EventWrite("effect_intent", "t#1")],
+        step=StepWrite("t#1", 1, "tool", "t", StepStatus.EXECUTING, "ih", idempotency_key=key),
+        operation=operation(key, run_id),
+        checkpoint=JournalState(run_id).draft(status="running", current_step="t#1"),
+        at=at,
+    )
+
+
+def ending(run_id: str, at: tuple[int, int]) -> Transition:
+    return Transition(
+        events=[EventWrite("run_completed")],
+        run=RunUpdate(RunStatus.COMPLETED, result_json="1"),
+        checkpoint=JournalState(run_id).draft(status="completed", current_step=None, prune=True),
+        release=True,
+        at=at,
+    )
+
+
+def assert_sealed_where_the_run_is(schema: str, run_id: str, done: Committed) -> None:
+    """The commit's answer, the run's row and the newest checkpoint agree, the checkpoint
+    is intact, and the run's events run 1, 2, 3... without a gap or a repeat."""
+    assert run_row(schema, run_id) == (done.state_version, done.last_sequence)
+    ((payload, checksum),) = sql(
+        schema,
+        "SELECT payload_json, checksum FROM durably_checkpoints WHERE run_id = %s "
+        "ORDER BY state_version DESC LIMIT 1",
+        run_id,
+    )
+
+    sealed = json.loads(str(payload))
+    assert (sealed["state_version"], sealed["last_event_sequence"]) == (
+        done.state_version,
+        done.last_sequence,
+    )
+    assert from_stored(sealed, str(checksum))
+    sequences = [s for s, _ in events_of(schema, run_id)]
+    assert sequences == list(range(1, done.last_sequence + 1))
+
+
+# -- deadlocks between two stores' shared rounds --------------------------------------
+
+
+def deadlocks(schema: str) -> int:
+    ((n,),) = sql(
+        schema, "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+    )
+    return int(n)  # type: ignore[call-overload]
+
+
+def test_shared_rounds_of_two_stores_that_deadlock_both_commit_once(postgres_schema: str) -> None:
+    """Two stores (two processes, say) each send one shared round for the same two runs, in
+    opposite orders: the first waits for a lock on r0, the second takes r1 and waits behind
+    it; once r0 is free they deadlock, the server refuses one round, and its writes go
+    again alone. Every write applies exactly
+    once; nothing hangs."""
+    url = postgres_schema_url(postgres_schema)
+    deadlocks_before = deadlocks(postgres_schema)
+
+    async def main() -> list[object]:
+        async with store_with_runs(postgres_schema, 2) as (a, (l0, l1)):
+            b = PostgresStore(url)
+            try:
+                with psycopg.connect(url) as holder:
+                    holder.execute("SELECT 1 FROM durably_runs WHERE run_id = 'r0' FOR UPDATE")
+                    first = asyncio.gather(
+                        a.commit(l0, step("a0")), a.commit(l1, step("a1")), return_exceptions=True
+                    )
+                    await until_waiting_for_locks(postgres_schema, 1)  # a: r0 first
+                    second = asyncio.gather(
+                        b.commit(l1, step("b1")), b.commit(l0, step("b0")), return_exceptions=True
+                    )
+                    await until_waiting_for_locks(postgres_schema, 2)  # b: r1 held, r0 next
+                    holder.commit()  # a takes r0, then waits for b's r1: a deadlock
+                    return [*await asyncio.wait_for(first, 15), *await asyncio.wait_for(second, 15)]
+            finally:
+                await b.close()
+
+    outcomes = asyncio.run(main())
+    assert not [o for o in outcomes if isinstance(o, BaseException)], outcomes
+    for run_id, mine in (("r0", {"a0", "b0"}), ("r1", {"a1", "b1"})):
+        written = events_of(postgres_schema, run_id)
+        assert {t for _, t in written if t in mine} == mine
+        assert [s for s, _ in written] == list(range(1, len(written) + 1))
+        assert len(written) == 1 + len(mine)  # run_started, then each write once
+    deadline = time.monotonic() + 10  # a backend reports its statistics when idle or gone
+    while deadlocks(postgres_schema) == deadlocks_before:
+        assert time.monotonic() < deadline, "the two rounds never deadlocked"
+        time.sleep(0.05)
+
+
+# -- an operator's write racing a commit at a known state ------------------------------
+
+
+@pytest.mark.parametrize("first", ["operator", "holder"])
+@pytest.mark.parametrize("operator", ["signal", "pause", "cancel"])
+def test_an_operators_write_racing_a_commit_at_a_known_state_is_never_lost(
+    postgres_schema: str, operator: str, first: str
+) -> None:
+    """The run's holder commits an effect's intent at the state it last saw while an
+    operator delivers an event, asks for a pause or a cancel: both queue on the run's row.
+    Whichever goes first, both apply once, the commit is sealed where the run really was
+    (after the operator's write, if that went first), and a pause or cancel that went
+    first reaches the holder in the commit's answer."""
+
+    async def main() -> tuple[Committed, object]:
+        async with store_with_runs(postgres_schema, 1) as (store, (lease,)):
+            at = run_row(postgres_schema, "r0")
+
+            def operators_write() -> asyncio.Future[object]:
+                if operator == "signal":
+                    return asyncio.ensure_future(store.deliver_signal("r0", "e1", "n", "{}"))
+                if operator == "pause":
+                    return asyncio.ensure_future(store.request_pause("r0", '{"by": "op"}'))
+                return asyncio.ensure_future(store.request_cancel("r0", compensate=False))
+
+            with psycopg.connect(postgres_schema_url(postgres_schema)) as holder:
+                holder.execute("SELECT 1 FROM durably_runs WHERE run_id = 'r0' FOR UPDATE")
+                if first == "operator":
+                    other = operators_write()
+                    await until_waiting_for_locks(postgres_schema, 1)
+                commit = asyncio.ensure_future(store.commit(lease, intent("r0", at)))
+                if first == "holder":
+                    await until_waiting_for_locks(postgres_schema, 1)
+                    other = operators_write()
+                await until_waiting_for_locks(postgres_schema, 2)
+                holder.commit()
+                done = await asyncio.wait_for(commit, 10)
+                return done, await asyncio.wait_for(other, 10)
+
+    done, _ = asyncio.run(main())
+    written = events_of(postgres_schema, "r0")
+    assert [t for _, t in written].count("effect_intent") == 1
+    assert [s for s, _ in written] == list(range(1, len(written) + 1))
+    assert len(written) == (3 if operator in ("signal", "pause") else 2)
+    ((payload, checksum),) = sql(
+        postgres_schema,
+        "SELECT payload_json, checksum FROM durably_checkpoints WHERE run_id = 'r0' "
+        "AND state_version = %s",
+        done.state_version,
+    )
+
+    sealed = json.loads(str(payload))
+    assert (sealed["state_version"], sealed["last_event_sequence"]) == (
+        done.state_version,
+        done.last_sequence,
+    )
+    assert from_stored(sealed, str(checksum))
+    intent_at = next(s for s, t in written if t == "effect_intent")
+    assert done.last_sequence == intent_at
+    ((row_version,),) = sql(postgres_schema, "SELECT row_version FROM durably_tool_operations")
+    assert row_version == done.operation_row_version == 1
+    if first == "operator":
+        assert intent_at == written[-1][0]
+        assert (done.pause_requested is not None) == (operator == "pause")
+        assert (done.cancel_requested > 0) == (operator == "cancel")
+    else:
+        assert intent_at == 2
+        assert done.pause_requested is None
+        assert done.cancel_requested == 0
+    if first == "holder":  # the operator's write came after: the run moved on from the commit
+        assert run_row(postgres_schema, "r0") >= (done.state_version, done.last_sequence)
