@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
+import stat
 import time
 
 import psycopg
 import pytest
 
 from durably.checkpoint import JournalState, from_stored
+from durably.errors import InvalidTransition, LeaseLostError, StoreUnavailable
 from durably.status import OperationStatus, RunStatus, StepStatus
 from durably.store.base import (
     Committed,
     EventWrite,
+    NewRun,
     OperationWrite,
     RunUpdate,
     StepWrite,
@@ -246,3 +251,104 @@ def test_an_operators_write_racing_a_commit_at_a_known_state_is_never_lost(
         assert done.cancel_requested == 0
     if first == "holder":  # the operator's write came after: the run moved on from the commit
         assert run_row(postgres_schema, "r0") >= (done.state_version, done.last_sequence)
+
+
+# -- a shared round cut off while the server holds it --------------------------------
+
+
+def cut_client_side(port: int) -> None:
+    """Shut down this process's socket whose local port is ``port`` (a pooled connection's),
+    as a network failure would: libpq reads the end of the stream, the server learns
+    nothing until it writes."""
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+        except OSError:  # the directory's own descriptor, gone by now
+            continue
+        s = socket.socket(fileno=os.dup(fd))
+        try:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.getsockname()[1] == port:
+                s.shutdown(socket.SHUT_RDWR)
+                return
+        except OSError:
+            pass
+        finally:
+            s.close()
+    raise AssertionError(f"no socket of ours on port {port}")
+
+
+async def until_gone(schema: str, pid: int) -> None:
+    """Until the backend ``pid`` has ended (a cut round's, once it ran or was ended)."""
+    deadline = time.monotonic() + 10
+    while sql(schema, "SELECT 1 FROM pg_stat_activity WHERE pid = %s", pid):
+        assert time.monotonic() < deadline, f"backend {pid} lives on"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("cut", ["client", "server"])
+def test_a_shared_round_cut_off_is_never_reported_as_done_or_refused_wrongly(
+    postgres_schema: str, cut: str
+) -> None:
+    """A shared round of a step's commit, an effect's intent (``commit_at``) and a new
+    run's start is held on the server by a lock on the first run's row, and its connection
+    is cut: by the network (``client``: the server still runs the round once the lock
+    goes, and commits it) or by the server (``server``: the backend is ended, nothing of
+    the round applies). Whatever each caller is told must be what the rows show: done
+    means written once, refused means not written, unknown (StoreUnavailable) either;
+    never twice."""
+    url = postgres_schema_url(postgres_schema)
+    new = NewRun("n1", "default", "wf", "1", {}, "{}", "h", 2)
+
+    async def main() -> list[object]:
+        async with store_with_runs(postgres_schema, 2) as (store, (l0, l1)):
+            at = run_row(postgres_schema, "r1")
+            with psycopg.connect(url) as holder:
+                holder.execute("SELECT 1 FROM durably_runs WHERE run_id = 'r0' FOR UPDATE")
+                outcomes = asyncio.gather(
+                    store.commit(l0, step("x")),
+                    store.commit(l1, intent("r1", at)),
+                    store.start_run(new, "w1", 30),
+                    return_exceptions=True,
+                )
+                await until_waiting_for_locks(postgres_schema, 1)
+                ((pid, port),) = sql(
+                    postgres_schema,
+                    "SELECT pid, client_port FROM pg_stat_activity "
+                    "WHERE wait_event_type = 'Lock' AND datname = current_database()",
+                )
+                if cut == "client":
+                    cut_client_side(int(port))  # type: ignore[call-overload]
+                    # Nothing it waits for needs r0: a write that went again alone would.
+                    await asyncio.wait({outcomes}, timeout=10)
+                    held_back = not outcomes.done()
+                    holder.commit()
+                    assert not held_back, "a write of the cut round went again, behind r0"
+                else:
+                    sql(postgres_schema, "SELECT pg_terminate_backend(%s)", pid)
+                    await until_gone(postgres_schema, int(pid))  # type: ignore[call-overload]
+                    holder.commit()
+                answered = await asyncio.wait_for(outcomes, 10)
+            await until_gone(postgres_schema, int(pid))  # type: ignore[call-overload]
+            return answered
+
+    stepped, intended, started = asyncio.run(main())
+    applied_step = [t for _, t in events_of(postgres_schema, "r0")].count("x")
+    applied_intent = [t for _, t in events_of(postgres_schema, "r1")].count("effect_intent")
+    operations = sql(postgres_schema, "SELECT run_id, row_version FROM durably_tool_operations")
+    assert len(operations) == applied_intent
+    started_events = [t for _, t in events_of(postgres_schema, "n1")]
+    assert started_events == ["run_started"]  # one start, however it was reported
+    for told, applied in ((stepped, applied_step), (intended, applied_intent)):
+        assert applied in (0, 1)
+        if isinstance(told, StoreUnavailable):
+            continue  # unknown: either is right, the holder reads the run back
+        assert not isinstance(told, BaseException) or isinstance(
+            told, (InvalidTransition, LeaseLostError)
+        ), told
+        assert applied == (0 if isinstance(told, BaseException) else 1), (told, applied)
+    assert not isinstance(started, BaseException), started
+    if cut == "client":  # the server ran the round after all: both are written
+        assert (applied_step, applied_intent) == (1, 1)
+        assert isinstance(stepped, StoreUnavailable)
+        assert isinstance(intended, StoreUnavailable)
