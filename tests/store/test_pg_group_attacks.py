@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import socket
 import stat
 import time
+from dataclasses import replace
 
 import psycopg
 import pytest
@@ -23,6 +25,7 @@ from durably.status import OperationStatus, RunStatus, StepStatus
 from durably.store.base import (
     Committed,
     EventWrite,
+    Lease,
     NewRun,
     OperationWrite,
     RunUpdate,
@@ -352,3 +355,121 @@ def test_a_shared_round_cut_off_is_never_reported_as_done_or_refused_wrongly(
         assert (applied_step, applied_intent) == (1, 1)
         assert isinstance(stepped, StoreUnavailable)
         assert isinstance(intended, StoreUnavailable)
+
+
+# -- many runs' commits, seeded refusals ---------------------------------------------
+
+
+SQUAT = (
+    "INSERT INTO durably_events (run_id, sequence, type, step_id, payload_json, created_at) "
+    "VALUES (%s, %s, 'squatter', NULL, '{}', 0)"
+)
+
+
+class Wave:
+    """The runs' commits drawn for one wave, each with what it meets on the server."""
+
+    def __init__(self, store: PostgresStore, schema: str, squatter: Lease, number: int) -> None:
+        self.store, self.schema, self.squatter, self.number = store, schema, squatter, number
+        self.commits: list[tuple[Lease, str, Transition]] = []
+        self.squats: list[tuple[str, int]] = []
+
+    async def draw(self, lease: Lease, kind: str, at: tuple[int, int]) -> None:
+        run_id, event = lease.run_id, f"w{self.number}"
+        key = f"k-{run_id}-{self.number}"
+        t = step(event)
+        if kind != "step":
+            t = replace(intent(run_id, at, key), events=[EventWrite(event, "t#1")])
+        if kind == "stale":  # the run moves on: the holder's state is stale
+            assert await self.store.deliver_signal(run_id, f"e{self.number}", "n", "{}")
+        elif kind == "taken_key":  # another run recorded this operation first
+            taken = intent(self.squatter.run_id, (0, 0), key)
+            await self.store.commit(self.squatter, replace(taken, at=None))
+        elif kind == "squatted":  # a stray row takes the sequence of the commit's event
+            sequence = run_row(self.schema, run_id)[1] + 1
+            self.squats.append((run_id, sequence))
+            sql(self.schema, SQUAT, run_id, sequence)
+        elif kind == "stolen":  # the lease ran out and another owner claimed the run
+            sql(
+                self.schema,
+                "UPDATE durably_runs SET lease_owner = 'w2', lease_epoch = lease_epoch + 1 "
+                "WHERE run_id = %s",
+                run_id,
+            )
+        self.commits.append((lease, kind, t))
+
+    async def commit(self) -> list[object]:
+        answers = asyncio.gather(
+            *(self.store.commit(lease, t) for lease, _, t in self.commits),
+            return_exceptions=True,
+        )
+        try:
+            return await asyncio.wait_for(answers, 15)
+        finally:
+            for run_id, sequence in self.squats:  # gone again: the run goes on
+                sql(
+                    self.schema,
+                    "DELETE FROM durably_events WHERE run_id = %s AND sequence = %s",
+                    run_id,
+                    sequence,
+                )
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_many_runs_commit_together_each_applied_once_or_refused_whole(
+    postgres_schema: str, seed: int
+) -> None:
+    """Waves of commits of many runs at once through one store (shared rounds), each run's
+    commit drawn at random: a step, an effect's intent at the state its holder saw, the
+    same at a state the run has left (an event arrived), an intent whose operation another
+    run recorded first, a commit whose event's sequence a stray row took, a commit under a
+    lease another owner took. Each caller's answer and the rows agree: what succeeded is
+    written once, sealed where the run is; what was refused left nothing."""
+    rng = random.Random(seed)
+    kinds = ["step", "intent", "stale", "taken_key", "squatted", "stolen"]
+    expected: dict[str, list[str]] = {}
+    operations: dict[str, int] = {}
+
+    async def main() -> None:
+        async with store_with_runs(postgres_schema, 11) as (store, leases):
+            squatter = leases.pop()  # records the operations the others then find taken
+            at = {lease.run_id: run_row(postgres_schema, lease.run_id) for lease in leases}
+            expected.update({lease.run_id: ["run_started"] for lease in leases})
+            live = list(leases)
+            for number in range(6):
+                wave = Wave(store, postgres_schema, squatter, number)
+                for lease in live:
+                    await wave.draw(lease, rng.choice(kinds), at[lease.run_id])
+                answers = await wave.commit()
+                for (lease, kind, _), answer in zip(wave.commits, answers, strict=True):
+                    run_id = lease.run_id
+                    if kind == "stale":
+                        expected[run_id].append("event_received")
+                    if kind == "stolen":
+                        assert isinstance(answer, LeaseLostError), (kind, answer)
+                        live.remove(lease)
+                    elif kind in ("taken_key", "squatted"):
+                        assert isinstance(answer, InvalidTransition), (kind, answer)
+                        assert not isinstance(answer, LeaseLostError)
+                        operations[squatter.run_id] = operations.get(squatter.run_id, 0) + (
+                            kind == "taken_key"
+                        )
+                    else:
+                        assert isinstance(answer, Committed), (kind, answer)
+                        expected[run_id].append(f"w{number}")
+                        at[run_id] = (answer.state_version, answer.last_sequence)
+                        assert run_row(postgres_schema, run_id) == at[run_id]
+                        if kind != "step":
+                            operations[run_id] = operations.get(run_id, 0) + 1
+                            assert_sealed_where_the_run_is(postgres_schema, run_id, answer)
+            assert len(live) < len(leases)  # some lease was taken: the draw covered it
+
+    asyncio.run(main())
+    for run_id, types in expected.items():
+        written = events_of(postgres_schema, run_id)
+        assert [t for _, t in written] == types, run_id
+        assert [s for s, _ in written] == list(range(1, len(written) + 1))
+    recorded = sql(
+        postgres_schema, "SELECT run_id, count(*) FROM durably_tool_operations GROUP BY run_id"
+    )
+    assert dict(recorded) == operations  # type: ignore[arg-type]
