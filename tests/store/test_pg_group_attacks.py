@@ -473,3 +473,45 @@ def test_many_runs_commit_together_each_applied_once_or_refused_whole(
         postgres_schema, "SELECT run_id, count(*) FROM durably_tool_operations GROUP BY run_id"
     )
     assert dict(recorded) == operations  # type: ignore[arg-type]
+
+
+# -- cancelled while a refused round's writes go again alone --------------------------
+
+
+def test_a_write_going_again_alone_when_every_task_is_cancelled_is_never_reported_done(
+    postgres_schema: str,
+) -> None:
+    """A shared round is refused (a stray row took r1's next sequence) before it touched
+    r0, so r0's write goes again alone, and waits there for a lock on r0. Then every task
+    is cancelled, as ``asyncio.run`` does on its way out: the round's own task with them.
+    r0's caller must not be told its commit returned (it was never written): it is
+    cancelled, or told the outcome is unknown."""
+    told: dict[str, object] = {}
+
+    async def commit(store: PostgresStore, lease: Lease) -> None:
+        try:
+            told[lease.run_id] = await store.commit(lease, step("x"))
+        except BaseException as exc:
+            told[lease.run_id] = exc
+            raise
+
+    async def main(holder: psycopg.Connection[object]) -> None:
+        store = PostgresStore(postgres_schema_url(postgres_schema))
+        await store.migrate()
+        for run_id in ("r0", "r1"):
+            await store.create_run(NewRun(run_id, "default", "wf", "1", {}, "{}", "h", 2))
+        l0, l1 = [(await store.claim_run(r, "w1", 30)).lease for r in ("r0", "r1")]  # type: ignore[union-attr]
+        sql(postgres_schema, SQUAT, "r1", run_row(postgres_schema, "r1")[1] + 1)
+        holder.execute("SELECT 1 FROM durably_runs WHERE run_id = 'r0' FOR UPDATE")
+        left = [asyncio.ensure_future(commit(store, lease)) for lease in (l1, l0)]
+        await until_waiting_for_locks(postgres_schema, 1)  # r0's write, alone
+        assert "r1" in told  # refused again alone: a unique violation
+        assert not left[1].done()
+        # Returns with r0's write in flight: asyncio.run cancels every task left.
+
+    with psycopg.connect(postgres_schema_url(postgres_schema)) as holder:
+        asyncio.run(main(holder))
+        holder.rollback()
+    assert isinstance(told["r1"], InvalidTransition)
+    assert isinstance(told["r0"], (asyncio.CancelledError, StoreUnavailable)), told["r0"]
+    assert [t for _, t in events_of(postgres_schema, "r0")] == ["run_started"]
