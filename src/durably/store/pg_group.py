@@ -33,7 +33,17 @@ from durably.store.plans import Plan, Query, Round, Rows
 class Write:
     """One plan whose first round is its only one, waiting for the round that sends it."""
 
-    __slots__ = ("done", "error", "first", "idempotent", "plan", "result", "round", "steps")
+    __slots__ = (
+        "done",
+        "error",
+        "first",
+        "idempotent",
+        "plan",
+        "result",
+        "round",
+        "settled",
+        "steps",
+    )
 
     def __init__(
         self,
@@ -50,6 +60,8 @@ class Write:
         self.round: asyncio.Task[None] | None = None
         self.result: Any = None
         self.error: BaseException | None = None
+        # Not done.done(): cancelling a waiter cancels the future it awaits.
+        self.settled = False
 
     def started(self) -> tuple[Generator[Round, list[Rows], Any], Round] | None:
         """The plan as far as its first round, once: whoever sends it alone goes on from
@@ -137,11 +149,14 @@ class Gathering:
         except Exception as exc:
             cause = exc.__cause__ if isinstance(exc, StoreUnavailable) else exc
             refused = isinstance(cause, psycopg.Error) and cause.sqlstate is not None
-            await asyncio.gather(*(self._again(w, None if refused else exc) for w in writes))
+            try:
+                await asyncio.gather(*(self._again(w, None if refused else exc) for w in writes))
+            except BaseException:  # cancelled while writes went again alone
+                self._cut_off(writes)
+                raise
             return
         except BaseException:
-            for w in writes:
-                self._settle(w, error=StoreUnavailable("the round of this write was cut off"))
+            self._cut_off(writes)
             raise
         start = 0
         for w in writes:
@@ -170,8 +185,15 @@ class Gathering:
         except Exception as exc:
             self._settle(w, error=exc)
 
+    def _cut_off(self, writes: list[Write]) -> None:
+        """The round's task was cancelled: each write not yet settled has an unknown outcome
+        (a waiter cancelled meanwhile must not read "returned" from a write never settled)."""
+        for w in writes:
+            if not w.settled:
+                self._settle(w, error=StoreUnavailable("the round of this write was cut off"))
+
     @staticmethod
     def _settle(w: Write, *, result: Any = None, error: BaseException | None = None) -> None:
-        w.result, w.error = result, error
+        w.result, w.error, w.settled = result, error, True
         if not w.done.done():
             w.done.set_result(None)
