@@ -608,3 +608,48 @@ async def until_no_lock_waits(schema: str) -> None:
     ):
         assert time.monotonic() < deadline, "a cut round still runs on the server"
         await asyncio.sleep(0.01)
+
+
+# -- a stale holder's commit at a known state racing the new owner ---------------------
+
+
+@pytest.mark.parametrize("kind", ["intent", "ending"])
+def test_a_stale_holders_commit_at_racing_the_new_owners_claim_writes_nothing(
+    postgres_schema: str, kind: str
+) -> None:
+    """The old holder's commit at the state it saw waits on the run's row (sharing its
+    round with another run's step) while its lease ran out and a new owner takes the run
+    in the transaction holding that row. The old holder is told its lease is lost and
+    nothing of its commit exists; the other run's step is written once; the new owner's
+    own commit at the state it found then applies whole."""
+    url = postgres_schema_url(postgres_schema)
+
+    async def main() -> tuple[list[object], Committed]:
+        async with store_with_runs(postgres_schema, 2) as (store, (old, other)):
+            at = run_row(postgres_schema, "r0")
+            t = intent("r0", at) if kind == "intent" else ending("r0", at)
+            with psycopg.connect(url) as holder:
+                holder.execute("SELECT 1 FROM durably_runs WHERE run_id = 'r0' FOR UPDATE")
+                answers = asyncio.gather(
+                    store.commit(old, t), store.commit(other, step("x")), return_exceptions=True
+                )
+                await until_waiting_for_locks(postgres_schema, 1)
+                holder.execute(  # what a claim by w2 of the run whose lease ran out does
+                    "UPDATE durably_runs SET lease_owner = 'w2', lease_epoch = lease_epoch + 1, "
+                    "lease_until = extract(epoch FROM now()) + 30 WHERE run_id = 'r0'"
+                )
+                holder.commit()
+                told = await asyncio.wait_for(answers, 10)
+            new = Lease("r0", "w2", old.epoch + 1, 30)
+            again = intent("r0", at) if kind == "intent" else ending("r0", at)
+            return told, await store.commit(new, again)
+
+    (stale, stepped), done = asyncio.run(main())
+    assert isinstance(stale, LeaseLostError), stale
+    assert isinstance(stepped, Committed), stepped
+    assert [t for _, t in events_of(postgres_schema, "r1")].count("x") == 1
+    written = [t for _, t in events_of(postgres_schema, "r0")]
+    assert written == ["run_started", "effect_intent" if kind == "intent" else "run_completed"]
+    assert_sealed_where_the_run_is(postgres_schema, "r0", done)
+    operations = sql(postgres_schema, "SELECT lease_owner FROM durably_tool_operations")
+    assert operations == ([("w2",)] if kind == "intent" else [])
