@@ -653,3 +653,48 @@ def test_a_stale_holders_commit_at_racing_the_new_owners_claim_writes_nothing(
     assert_sealed_where_the_run_is(postgres_schema, "r0", done)
     operations = sql(postgres_schema, "SELECT lease_owner FROM durably_tool_operations")
     assert operations == ([("w2",)] if kind == "intent" else [])
+
+
+def test_checkpoints_sealed_by_commit_at_in_shared_rounds_keep_the_newest_ones(
+    postgres_schema: str,
+) -> None:
+    """Periodic checkpoints committed at a known state (``commit_at``), several runs' at
+    once in shared rounds, each pruning: every run keeps exactly its newest checkpoints,
+    each intact and sealed at its own commit, as the two-round commit would keep them."""
+    kept = 3  # durably.checkpoint.CHECKPOINTS_KEPT
+
+    async def main() -> None:
+        async with store_with_runs(postgres_schema, 4) as (store, leases):
+            at = {lease.run_id: run_row(postgres_schema, lease.run_id) for lease in leases}
+            for number in range(6):
+                answers = await asyncio.gather(
+                    *(
+                        store.commit(
+                            lease,
+                            Transition(
+                                events=[EventWrite(f"cp{number}")],
+                                checkpoint=JournalState(lease.run_id).draft(
+                                    status="running", current_step=None, prune=True
+                                ),
+                                at=at[lease.run_id],
+                            ),
+                        )
+                        for lease in leases
+                    )
+                )
+                for lease, done in zip(leases, answers, strict=True):
+                    at[lease.run_id] = (done.state_version, done.last_sequence)
+                    assert_sealed_where_the_run_is(postgres_schema, lease.run_id, done)
+                    versions = [
+                        v
+                        for (v,) in sql(
+                            postgres_schema,
+                            "SELECT state_version FROM durably_checkpoints WHERE run_id = %s "
+                            "ORDER BY state_version DESC",
+                            lease.run_id,
+                        )
+                    ]
+                    assert versions[0] == done.state_version
+                    assert len(versions) == min(kept, number + 1)  # these runs have no receipt
+
+    asyncio.run(main())
