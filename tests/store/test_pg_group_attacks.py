@@ -698,3 +698,50 @@ def test_checkpoints_sealed_by_commit_at_in_shared_rounds_keep_the_newest_ones(
                     assert len(versions) == min(kept, number + 1)  # these runs have no receipt
 
     asyncio.run(main())
+
+
+def test_a_cancelled_run_waits_for_its_own_outcome_not_for_the_other_writes_of_its_round(
+    postgres_schema: str,
+) -> None:
+    """A shared round of r2, r0 and r1 waits on r2's row, whose holder also took r2's next
+    sequence; r0 is cancelled meanwhile. The round is refused and each write goes again
+    alone: r2's fails, r0's is written at once, r1's waits for a lock someone else holds.
+    r0's caller learns its commit was written and is cancelled then, without waiting for
+    r1's lock; r1 still commits once that lock goes."""
+    url = postgres_schema_url(postgres_schema)
+    told: dict[str, object] = {}
+
+    async def commit(store: PostgresStore, lease: Lease) -> None:
+        told[lease.run_id] = await store.commit(lease, step("x"))
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        async with store_with_runs(postgres_schema, 3) as (store, (l0, l1, l2)):
+            with psycopg.connect(url) as r1_holder, psycopg.connect(url) as r2_holder:
+                r1_holder.execute("SELECT 1 FROM durably_runs WHERE run_id = 'r1' FOR UPDATE")
+                r2_holder.execute("SELECT 1 FROM durably_runs WHERE run_id = 'r2' FOR UPDATE")
+                r2_holder.execute(SQUAT, ("r2", run_row(postgres_schema, "r2")[1] + 1))
+                tasks = [asyncio.ensure_future(commit(store, lease)) for lease in (l2, l0, l1)]
+                await until_waiting_for_locks(postgres_schema, 1)  # the round, on r2
+                tasks[1].cancel()
+                r2_holder.commit()  # the round is refused: r2's sequence is taken
+                await asyncio.wait([tasks[1]], timeout=5)
+                r0_done_alone = tasks[1].done()
+                r1_holder.commit()
+                await asyncio.wait_for(until_told(told, "r1"), 10)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                assert r0_done_alone, "r0's caller waited for r1's lock"
+
+    asyncio.run(main())
+    assert isinstance(told["r0"], Committed)
+    assert isinstance(told["r1"], Committed)
+    assert [t for _, t in events_of(postgres_schema, "r0")].count("x") == 1
+    assert [t for _, t in events_of(postgres_schema, "r1")].count("x") == 1
+    assert [t for _, t in events_of(postgres_schema, "r2")].count("x") == 0
+
+
+async def until_told(told: dict[str, object], run_id: str) -> None:
+    while run_id not in told:
+        await asyncio.sleep(0.01)
