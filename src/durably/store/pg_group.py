@@ -60,7 +60,6 @@ class Write:
         self.round: asyncio.Task[None] | None = None
         self.result: Any = None
         self.error: BaseException | None = None
-        # Not done.done(): cancelling a waiter cancels the future it awaits.
         self.settled = False
 
     def started(self) -> tuple[Generator[Round, list[Rows], Any], Round] | None:
@@ -122,16 +121,18 @@ class Gathering:
 
     async def _outcome(self, me: Write, writes: list[Write]) -> Any:
         try:
-            await me.done
+            # Shielded: cancelling the caller leaves its write's own outcome to wait for.
+            await asyncio.shield(me.done)
         except asyncio.CancelledError:
             if me.round is None:  # not sent yet: withdrawn, nothing of it applies
                 writes.remove(me)
                 raise
             # Its round is on its way: report what it did, like a write that cannot be
             # interrupted, and let the cancellation through at the caller's next await.
-            while not me.round.done():
+            # Its own outcome only: the round's other writes may go on alone for longer.
+            while not me.done.done():
                 try:
-                    await asyncio.shield(me.round)
+                    await asyncio.shield(me.done)
                 except asyncio.CancelledError:
                     continue
             task = asyncio.current_task()
