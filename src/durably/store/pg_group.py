@@ -9,6 +9,8 @@ loop), and the writes queued meanwhile join its round. Alone, it sends its own r
 if there were no grouping. While a shared round is on its way, the writes that come
 meanwhile gather for the next one, sent as soon as it lands (as a database's own group
 commit waits for the flush in progress): under load the rounds grow rather than multiply.
+A round held up on the server (a write waiting for a row lock) holds the next one back
+for :data:`HELD_UP_S` at most.
 
 * A shared round that the server refused (a unique violation, a deadlock), or that
   failed before its Sync (a value that cannot be sent), applied nothing: each of its
@@ -32,11 +34,26 @@ import psycopg
 from durably.errors import StoreUnavailable
 from durably.store.plans import Plan, Query, Round, Rows
 
+HELD_UP_S = 0.005
+"""How long the writes gathered behind a shared round wait for it to land before they go
+anyway: a round held on the server (a write waiting for a row lock) must not hold up every
+run of the process."""
+
 
 class Write:
     """One plan whose first round is its only one, waiting for the round that sends it."""
 
-    __slots__ = ("done", "error", "first", "idempotent", "plan", "result", "round", "steps")
+    __slots__ = (
+        "done",
+        "error",
+        "first",
+        "idempotent",
+        "plan",
+        "result",
+        "round",
+        "settled",
+        "steps",
+    )
 
     def __init__(
         self,
@@ -53,6 +70,7 @@ class Write:
         self.round: asyncio.Task[None] | None = None
         self.result: Any = None
         self.error: BaseException | None = None
+        self.settled = False
 
     def started(self) -> tuple[Generator[Round, list[Rows], Any], Round] | None:
         """The plan as far as its first round, once: whoever sends it alone goes on from
@@ -91,9 +109,10 @@ class Gathering:
         if joining is not None:
             joining.append(me)
             return await self._outcome(me, joining)
-        self._joining[loop] = [me]
+        joining = self._joining[loop] = [me]
         if loop in self._sending:  # a shared round is on its way: this group goes next
-            return await self._outcome(me, self._joining[loop])
+            loop.call_later(HELD_UP_S, self._go_if_waiting, loop, joining)
+            return await self._outcome(me, joining)
         try:
             await asyncio.sleep(0)  # every task already woken queues its write first
         except asyncio.CancelledError:
@@ -112,29 +131,37 @@ class Gathering:
         self._rounds.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(self._rounds.discard)
         self._sending[loop] = task
-        task.add_done_callback(lambda _: self._landed(loop))
+        task.add_done_callback(lambda _: self._landed(loop, task))
         for w in writes:
             w.round = task
 
-    def _landed(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The shared round on its way landed: the group gathered meanwhile goes."""
-        del self._sending[loop]
-        waiting = self._joining.pop(loop, None)
-        if waiting:
-            self._start(loop, waiting)
+    def _landed(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[None]) -> None:
+        """A shared round landed: if it was the latest, the group gathered meanwhile goes."""
+        if self._sending.get(loop) is task:
+            del self._sending[loop]
+            self._go_if_waiting(loop, self._joining.get(loop))
+
+    def _go_if_waiting(self, loop: asyncio.AbstractEventLoop, group: list[Write] | None) -> None:
+        """Send ``group`` if it is still the one gathering (and anyone is left in it)."""
+        if group is not None and self._joining.get(loop) is group:
+            del self._joining[loop]
+            if group:
+                self._start(loop, group)
 
     async def _outcome(self, me: Write, writes: list[Write]) -> Any:
         try:
-            await me.done
+            # Shielded: cancelling the caller leaves its write's own outcome to wait for.
+            await asyncio.shield(me.done)
         except asyncio.CancelledError:
             if me.round is None:  # not sent yet: withdrawn, nothing of it applies
                 writes.remove(me)
                 raise
             # Its round is on its way: report what it did, like a write that cannot be
             # interrupted, and let the cancellation through at the caller's next await.
-            while not me.round.done():
+            # Its own outcome only: the round's other writes may go on alone for longer.
+            while not me.done.done():
                 try:
-                    await asyncio.shield(me.round)
+                    await asyncio.shield(me.done)
                 except asyncio.CancelledError:
                     continue
             task = asyncio.current_task()
@@ -157,11 +184,14 @@ class Gathering:
             lost = isinstance(exc, StoreUnavailable) and not (
                 isinstance(cause, psycopg.Error) and cause.sqlstate
             )
-            await asyncio.gather(*(self._again(w, exc if lost else None) for w in writes))
+            try:
+                await asyncio.gather(*(self._again(w, exc if lost else None) for w in writes))
+            except BaseException:  # cancelled while writes went again alone
+                self._cut_off(writes)
+                raise
             return
         except BaseException:
-            for w in writes:
-                self._settle(w, error=StoreUnavailable("the round of this write was cut off"))
+            self._cut_off(writes)
             raise
         start = 0
         for w in writes:
@@ -190,8 +220,15 @@ class Gathering:
         except Exception as exc:
             self._settle(w, error=exc)
 
+    def _cut_off(self, writes: list[Write]) -> None:
+        """The round's task was cancelled: each write not yet settled has an unknown outcome
+        (a waiter cancelled meanwhile must not read "returned" from a write never settled)."""
+        for w in writes:
+            if not w.settled:
+                self._settle(w, error=StoreUnavailable("the round of this write was cut off"))
+
     @staticmethod
     def _settle(w: Write, *, result: Any = None, error: BaseException | None = None) -> None:
-        w.result, w.error = result, error
+        w.result, w.error, w.settled = result, error, True
         if not w.done.done():
             w.done.set_result(None)
