@@ -34,6 +34,7 @@ from durably.store.base import (
 )
 from durably.store.postgres import PostgresStore
 from tests.conftest import postgres_schema_url
+from tests.contract.test_store import op_write
 from tests.store.test_pg_group import sql, step, store_with_runs
 
 
@@ -71,22 +72,13 @@ def run_row(schema: str, run_id: str) -> tuple[int, int]:
 
 
 def operation(key: str, run_id: str, **changes: object) -> OperationWrite:
-    base: dict[str, object] = {
-        "tenant": "default",
-        "idempotency_key": key,
-        "run_id": run_id,
-        "step_id": "t#1",
-        "plan_version": 1,
-        "tool": "t",
-        "tool_version": "1",
-        "input_hash": "ih",
-        "arguments_json": "{}",
+    """An operation being executed under the run's lease (the contract tests' own write)."""
+    executing: dict[str, object] = {
         "status": OperationStatus.EXECUTING,
         "attempt": 1,
         "hold_lease": True,
     }
-    base.update(changes)
-    return OperationWrite(**base)  # type: ignore[arg-type]
+    return op_write(key, run_id=run_id, **{**executing, **changes})
 
 
 def intent(run_id: str, at: tuple[int, int], key: str | None = None) -> Transition:
