@@ -506,11 +506,26 @@ def test_a_write_going_again_alone_when_every_task_is_cancelled_is_never_reporte
         )
         waiting.append(int(pid))  # type: ignore[call-overload]
         assert not left[1].done()
-        # Returns with r0's write in flight: asyncio.run cancels every task left.
+        # The callers and the shared round's task cancelled at once, r0's write in flight,
+        # as asyncio.run does with every task on its way out; then the store closed. Not
+        # asyncio.run itself: psycopg_pool's workers swallow a cancellation that lands
+        # while they reconnect (the cut connection's replacement), and it would never end.
+        ours = [*left, *store._gathering._rounds]
+        for task in ours:
+            task.cancel()
+        # A caller whose write is never settled waits for it through any cancellation: the
+        # test fails (and leaves its loop unfinished) rather than hang.
+        _, pending = await asyncio.wait(ours, timeout=10)
+        assert not pending, "a cancelled caller still waits for its write's outcome"
+        await store.close()
 
     waiting: list[int] = []
     with psycopg.connect(postgres_schema_url(postgres_schema)) as holder:
-        asyncio.run(main(holder))
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(main(holder))
+        finally:
+            loop.close()
         holder.rollback()
     asyncio.run(until_gone(postgres_schema, waiting[0]))  # it may still commit, unanswered
     assert isinstance(told["r1"], InvalidTransition)
