@@ -139,7 +139,16 @@ def _one_round(t: Transition) -> bool:
         and t.operation is None
         and t.run is None
         and not t.release
-        and t.use_approval is None
+        and _fence_and_rows_only(t)
+    )
+
+
+def _fence_and_rows_only(t: Transition) -> bool:
+    """Whether ``t`` refuses on nothing but the fence (and its operation's row) and writes
+    nothing but its events, step, operation, run status and checkpoint: no approval used
+    or requested, no signal consumed or awaited, no other step row, no new plan version."""
+    return (
+        t.use_approval is None
         and t.consume_signal is None
         and not t.request_approvals
         and not t.more_steps
@@ -208,12 +217,7 @@ def fits_one_statement(t: Transition) -> bool:
         and (t.operation is not None or t.checkpoint is not None or t.run is not None)
         and (t.run is None or t.run.status not in WAITING)
         and (not t.release or (t.run is not None and t.run.status not in RUNNABLE))
-        and not t.more_steps
-        and t.use_approval is None
-        and t.consume_signal is None
-        and t.wake_on_signal is None
-        and t.plan_version is None
-        and not t.request_approvals
+        and _fence_and_rows_only(t)
     )
 
 

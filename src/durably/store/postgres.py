@@ -170,8 +170,7 @@ class PostgresStore(SQLStore):
         if read_only:
             work = self._work(plan, None, read_only=True)
             return await self._transact(work, idempotent=idempotent)
-        steps = plan()
-        first = next(steps)
+        steps, first = _begun(plan)
         if first.final:
             result: T = await self._gathering.write(plan, steps, first, idempotent)
             return result
@@ -321,6 +320,7 @@ class PostgresStore(SQLStore):
 
 
 def _begun(plan: Callable[[], Plan[T]]) -> tuple[Plan[T], Round]:
+    """A fresh ``plan()`` and its first round."""
     steps = plan()
     return steps, next(steps)
 
