@@ -61,8 +61,9 @@ async def start(
     run_id: str | None,
     tenant: str,
     execute_here: bool = False,
-) -> str:
-    """Record a new queued run of ``wf`` (idempotent on ``run_id``) and return its id.
+) -> tuple[str, RunRecord | None]:
+    """Record a new queued run of ``wf`` (idempotent on ``run_id``); its id, and the run as
+    this process's execution left it, if it executed and released it.
 
     ``execute_here``: then execute it in this process. A new run is leased to this process
     by the transaction that records it (one commit less, and no worker takes it meanwhile).
@@ -97,15 +98,15 @@ async def start(
     )
     if not execute_here:
         record, created = await store.create_run(new)
-        return _started(new, record, created).run_id
+        return _started(new, record, created).run_id, None
     owner = owners.owner_name("inproc")
     record, created, claim = await store.start_run(new, owner, engine.lease_ttl.total_seconds())
     _started(new, record, created)
     if claim is not None:
-        await runtime.drive(engine, claim)
-    elif not created:
-        await execute(engine, run_id, owner=owner, record=record)
-    return run_id
+        return run_id, await runtime.drive(engine, claim)
+    if not created:
+        return run_id, await execute(engine, run_id, owner=owner, record=record)
+    return run_id, None
 
 
 def _started(new: NewRun, record: RunRecord, created: bool) -> RunRecord:
@@ -121,9 +122,10 @@ def _started(new: NewRun, record: RunRecord, created: bool) -> RunRecord:
 
 async def execute(
     engine: Engine, run_id: str, *, owner: str | None = None, record: RunRecord | None = None
-) -> None:
-    """Execute a runnable run in this process, if no live worker holds it. ``record``: the
-    run as its caller just read or created it (its workflow and version are checked)."""
+) -> RunRecord | None:
+    """Execute a runnable run in this process, if no live worker holds it; the run as this
+    execution left it, if it released it. ``record``: the run as its caller just read or
+    created it (its workflow and version are checked)."""
     check_ref(run_id, "run id")
     store = await engine.open()
     if record is None:
@@ -142,8 +144,9 @@ async def execute(
     claim = await store.claim_run(
         run_id, owner or owners.owner_name("inproc"), engine.lease_ttl.total_seconds()
     )
-    if claim is not None:
-        await runtime.drive(engine, claim)
+    if claim is None:
+        return None
+    return await runtime.drive(engine, claim)
 
 
 async def resolve_effect(
@@ -288,8 +291,9 @@ async def _open_run(engine: Engine, run_id: str) -> tuple[Store, RunRecord]:
     return store, record
 
 
-async def resume(engine: Engine, run_id: str) -> None:
-    """Make a paused run runnable again and execute it here."""
+async def resume(engine: Engine, run_id: str) -> RunRecord | None:
+    """Make a paused run runnable again and execute it here; the run as this execution left
+    it, if it released it."""
     store, record = await _open_run(engine, run_id)
     waiting = record.waiting_for or {}
     if record.status is RunStatus.PAUSED and record.status_reason == PauseReason.OPERATOR:
@@ -305,7 +309,7 @@ async def resume(engine: Engine, run_id: str) -> None:
                 run=RunUpdate(RunStatus.QUEUED),
             ),
         )
-    await execute(engine, run_id)
+    return await execute(engine, run_id)
 
 
 async def pause(engine: Engine, run_id: str, *, reason: str | None, by: str) -> RunRecord:

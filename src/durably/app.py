@@ -26,6 +26,7 @@ from durably.status import ReplayMode, RunStatus
 from durably.store.base import (
     Approval,
     Event,
+    RunRecord,
     Store,
 )
 from durably.subscription import Subscription
@@ -158,7 +159,10 @@ class App(Registration):
     ) -> str:
         """Record a new queued run (idempotent on ``run_id``) and return its id."""
         wf = self._resolve_workflow(workflow)
-        return await actions.start(self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant)
+        started, _ = await actions.start(
+            self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant
+        )
+        return started
 
     def start(
         self,
@@ -183,10 +187,10 @@ class App(Registration):
     ) -> Run:
         """Start (or find) a run and execute it here until it completes, fails or stops."""
         wf = self._resolve_workflow(workflow)
-        rid = await actions.start(
+        rid, released = await actions.start(
             self.engine, wf, args, kwargs, run_id=run_id, tenant=tenant, execute_here=True
         )
-        return await self.get_run_async(rid)
+        return await self._left(rid, released)
 
     def run(
         self,
@@ -204,8 +208,15 @@ class App(Registration):
 
     async def execute_async(self, run_id: str, *, owner: str | None = None) -> Run:
         """Execute a runnable run in this process, if no live worker holds it."""
-        await actions.execute(self.engine, run_id, owner=owner)
-        return await self.get_run_async(run_id)
+        released = await actions.execute(self.engine, run_id, owner=owner)
+        return await self._left(run_id, released)
+
+    async def _left(self, run_id: str, released: RunRecord | None) -> Run:
+        """The run as its execution here released it (read in the releasing commit's own
+        transaction), or as the store has it now."""
+        if released is None:
+            return await self.get_run_async(run_id)
+        return Run.from_record(released)
 
     async def get_run_async(self, run_id: str) -> Run:
         check_ref(run_id, "run id")
@@ -270,8 +281,7 @@ class App(Registration):
 
     async def resume_async(self, run_id: str) -> Run:
         """Make a paused run runnable again and execute it here."""
-        await actions.resume(self.engine, run_id)
-        return await self.get_run_async(run_id)
+        return await self._left(run_id, await actions.resume(self.engine, run_id))
 
     def resume(self, run_id: str) -> Run:
         """Resume a paused or stalled run in this process."""

@@ -114,6 +114,8 @@ class RunContext(CallIdentity, JoinsApprovals):
     (parallel calls would otherwise race on separate connections)."""
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once this execution released the run (see :meth:`release`)."""
+    released_as: RunRecord | None = None
+    """The run as the commit that released it left it."""
     lease_deadline: float = float("inf")
     """``time.monotonic()`` by which the lease has run out unless renewed: the store fences
     late writes, but only this process can stop itself from sending late."""
@@ -379,7 +381,9 @@ class RunContext(CallIdentity, JoinsApprovals):
             self.at = (committed.state_version, committed.last_sequence)
             self.cancel_requested = committed.cancel_requested
             self.pause_requested = committed.pause_requested
-            if not t.release:
+            if t.release:
+                self.released_as = committed.run
+            else:
                 self.renewed(sent_at)
         if t.checkpoint is not None:
             faults.crash_point("checkpoint.after_write")

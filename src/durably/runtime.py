@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from durably import context, faults, model_calls
-from durably.definitions import StepDef, bind_arguments, invoke
+from durably.definitions import StepDef, WorkflowDef, bind_arguments, invoke
 from durably.effect import compensate
 from durably.errors import (
     CheckpointCorrupted,
@@ -38,6 +38,7 @@ from durably.status import OperationStatus, PauseReason, RunStatus, StepStatus
 from durably.store.base import (
     Claim,
     EventWrite,
+    RunRecord,
     RunUpdate,
     StepWrite,
     Transition,
@@ -243,19 +244,25 @@ async def load_context(engine: Engine, claim: Claim) -> RunContext:
     return ctx
 
 
-async def drive(engine: Engine, claim: Claim, draining: asyncio.Event | None = None) -> None:
+async def drive(
+    engine: Engine, claim: Claim, draining: asyncio.Event | None = None
+) -> RunRecord | None:
     """Execute a claimed run until it completes, fails, pauses or waits; then release it.
 
     If the lease is lost or the store fails, this execution stops writing and returns; the
     run is continued from what the store holds, by this worker or another.
+
+    Returns the run as this execution's release left it (None: it did not release it, or
+    released it without reading it back; the store has it).
     """
     try:
-        await _drive(engine, claim, draining)
+        return await _drive(engine, claim, draining)
     except (LeaseLostError, StoreUnavailable) as exc:
         log.warning("run %s: stopped executing (%s)", claim.run.run_id, exc)
+        return None
 
 
-async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -> None:
+async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -> RunRecord | None:
     if claim.recovered:
         engine.metrics.lease_expired.inc()
     wf = engine.registry.workflow_def(claim.run.workflow)
@@ -263,8 +270,7 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
         ctx = await load_context(engine, claim)
     except (CheckpointCorrupted, CheckpointNotMigratable) as exc:
         paused = ending(RunStatus.PAUSED, _PAUSE_REASONS[type(exc)], exc, None)
-        await engine.store.commit(claim.lease, paused)
-        return
+        return (await engine.store.commit(claim.lease, paused)).run
     for op in ctx.operations.values():
         if op.status not in (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED):
             engine.metrics.step_recovery.labels(state=op.status.value).inc()
@@ -274,49 +280,56 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
     heartbeat = asyncio.create_task(_heartbeat(ctx))
     token = context._run.set(ctx)
     try:
-        args = ctx.run.input.get("args", [])
-        kwargs = ctx.run.input.get("kwargs", {})
-        outcome: BaseException | None = None
-        try:
-            result = await _stop_unwrapped(wf.fn(*args, **kwargs))
-        except Cancel:
-            await _cancel(ctx)
-            return
-        except Suspend:
-            await ctx.wind_up()
-            if ctx.poisoned is None:
-                return
-            # A divergence: paused below once the calls still in flight have landed.
-        except Exception as exc:
-            outcome = exc
-        else:
-            # A what-if replay must also have made every call its source recorded.
-            outcome = _not_awaited(ctx, ctx.drop_unawaited()) if ctx.unawaited else ctx.unreached()
-        # A branch cancelled while it released the run finishes that release first, and
-        # parallel calls may still be executing: record their outcomes before the run ends.
-        await ctx.wind_up()
-        await ctx.quiesce()
-        if ctx.stopped:
-            # Lease lost or store failure (logged when it happened), possibly swallowed or
-            # re-raised as something else by workflow code: nothing more is written.
-            return
-        failure = ctx.poisoned or outcome
-        if failure is not None:
-            reason = _PAUSE_REASONS.get(type(failure))
-            if reason is not None:
-                # The code or the data changed under the run: a person must look; failing
-                # it would be final, and guessing would be worse.
-                await _finish(ctx, RunStatus.PAUSED, reason, failure)
-            else:
-                await _finish(ctx, RunStatus.FAILED, None, failure)
-            return
-        await _complete(ctx, wf.name, result)
+        await _execute(ctx, wf)
     except Suspend:
-        return
+        pass
     finally:
         ctx.drop_unawaited()  # left by a workflow that raised: closed, not warned about
         context._run.reset(token)
         heartbeat.cancel()
+    return ctx.released_as
+
+
+async def _execute(ctx: RunContext, wf: WorkflowDef) -> None:
+    """Run the workflow's code to its end and record how it ended (raises Suspend if the
+    execution stopped)."""
+    args = ctx.run.input.get("args", [])
+    kwargs = ctx.run.input.get("kwargs", {})
+    outcome: BaseException | None = None
+    try:
+        result = await _stop_unwrapped(wf.fn(*args, **kwargs))
+    except Cancel:
+        await _cancel(ctx)
+        return
+    except Suspend:
+        await ctx.wind_up()
+        if ctx.poisoned is None:
+            return
+        # A divergence: paused below once the calls still in flight have landed.
+    except Exception as exc:
+        outcome = exc
+    else:
+        # A what-if replay must also have made every call its source recorded.
+        outcome = _not_awaited(ctx, ctx.drop_unawaited()) if ctx.unawaited else ctx.unreached()
+    # A branch cancelled while it released the run finishes that release first, and
+    # parallel calls may still be executing: record their outcomes before the run ends.
+    await ctx.wind_up()
+    await ctx.quiesce()
+    if ctx.stopped:
+        # Lease lost or store failure (logged when it happened), possibly swallowed or
+        # re-raised as something else by workflow code: nothing more is written.
+        return
+    failure = ctx.poisoned or outcome
+    if failure is not None:
+        reason = _PAUSE_REASONS.get(type(failure))
+        if reason is not None:
+            # The code or the data changed under the run: a person must look; failing
+            # it would be final, and guessing would be worse.
+            await _finish(ctx, RunStatus.PAUSED, reason, failure)
+        else:
+            await _finish(ctx, RunStatus.FAILED, None, failure)
+        return
+    await _complete(ctx, wf.name, result)
 
 
 _UNSETTLED = (OperationStatus.EXECUTING, OperationStatus.UNKNOWN, OperationStatus.RECONCILING)

@@ -1116,3 +1116,48 @@ def test_concurrent_first_uses_of_an_app_share_one_store(make_app: MakeApp) -> N
             await app.close_async()
 
     assert asyncio.run(both()) == (True, True)
+
+
+def test_the_run_an_execution_returns_is_the_run_as_stored(make_app: MakeApp) -> None:
+    """``app.run`` (of a new run or of one already there) and ``resume`` return the run as
+    the commit that released it read it back: the same as reading it again, whichever way
+    the execution ended."""
+    app = make_app()
+    state = {"fail": True}
+
+    @app.tool()
+    def gate() -> str:
+        if state["fail"]:
+            raise TimeoutError("no answer")
+        return "ok"
+
+    @app.workflow()
+    async def ends(how: str) -> str:
+        if how == "fails":
+            raise ValueError("the input says fail")
+        if how == "waits":
+            return str(await durably.wait_for_event("go"))
+        if how == "pauses":
+            return await gate()
+        return how
+
+    for how, status in [
+        ("completes", RunStatus.COMPLETED),
+        ("fails", RunStatus.FAILED),
+        ("waits", RunStatus.WAITING_EXTERNAL),
+        ("pauses", RunStatus.PAUSED),
+    ]:
+        returned = app.run(ends, how, run_id=f"r-{how}")
+        assert returned.status is status
+        assert returned == app.get_run(returned.run_id)
+    app.send_event("r-waits", "go", "now")
+    executed = app.run(ends, "waits", run_id="r-waits")
+    assert executed.status is RunStatus.COMPLETED
+    assert executed.result == "now"
+    assert executed == app.get_run("r-waits")
+    state["fail"] = False
+    app.resolve_effect("r-pauses", "gate#1", "not_executed")
+    resumed = app.resume("r-pauses")
+    assert resumed.status is RunStatus.COMPLETED
+    assert resumed.result == "ok"
+    assert resumed == app.get_run("r-pauses")

@@ -312,6 +312,8 @@ class Committed:
     cancel_requested: int = 0
     pause_requested: dict[str, Any] | None = None
     """The operator's pause request, if any: the run pauses at its next boundary."""
+    run: RunRecord | None = None
+    """The run as a commit that released it left it (read in the same transaction)."""
 
 
 CHECKPOINTS_READ = 3

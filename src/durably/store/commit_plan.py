@@ -29,7 +29,7 @@ from durably.store.plans import (
     json_or_none,
     lease_lost,
 )
-from durably.store.rows import Row, loads
+from durably.store.rows import Row, loads, run_from_row
 
 # -- the commit: fence, refusals, then the rest ------------------------------------------
 
@@ -113,14 +113,27 @@ def commit(
     runnable = t.run is None or t.run.status in RUNNABLE
     # A released run, or one an operator made runnable, can be claimed at once.
     wake = runnable and (t.release or (isinstance(guard, Expect) and t.run is not None))
-    yield Round(following, final=True, notify=wake)
+    if t.release:
+        following.append(_released(run_id))
+    answers = yield Round(following, final=True, notify=wake)
     return _committed(
-        row, None if o is None else 1 if o.expect_row_version is None else o.expect_row_version + 1
+        row,
+        None if o is None else 1 if o.expect_row_version is None else o.expect_row_version + 1,
+        answers[-1] if t.release else None,
     )
 
 
-def _committed(fenced: Row, operation_row_version: int | None) -> Committed:
-    """What a commit tells its caller, from the row its fence returned."""
+def _released(run_id: str) -> Query:
+    """The run as a commit that releases it leaves it, read last in the commit's
+    transaction: its executor returns it (``App.run``) without another round."""
+    return ("get_run", {"run_id": run_id})
+
+
+def _committed(
+    fenced: Row, operation_row_version: int | None, released: list[Row] | None = None
+) -> Committed:
+    """What a commit tells its caller, from the row its fence returned (and ``released``,
+    the answer to :func:`_released`)."""
     return Committed(
         int(fenced["last_sequence"]),
         int(fenced["state_version"]),
@@ -128,6 +141,7 @@ def _committed(fenced: Row, operation_row_version: int | None) -> Committed:
         fenced["lease_until"],
         int(fenced["cancel_requested"]),
         loads(fenced["pause_requested"]),
+        run_from_row(released[0]) if released else None,
     )
 
 
@@ -271,11 +285,14 @@ def commit_at(guard: Lease, t: Transition) -> Plan[Committed | None]:
             checksum=sealed["checksum"],
             prune=t.checkpoint.prune,
         )
-    (fenced,) = yield Round([("commit_at", params)], final=True)
+    queries = [("commit_at", params)]
+    if t.release:
+        queries.append(_released(guard.run_id))
+    fenced, *released = yield Round(queries, final=True)
     if not fenced:
         return None
     written = None if o is None else 1 if o.expect_row_version is None else o.expect_row_version + 1
-    return _committed(fenced[0], written)
+    return _committed(fenced[0], written, released[0] if released else None)
 
 
 # commit_at's parameters for what a transition does not write.
