@@ -117,6 +117,7 @@ def test_start_run_creates_and_leases_the_run_in_one_transaction(store: Store) -
     assert unsealed is not None
     assert unsealed.journal is not None
     assert unsealed.journal.checkpoints == []
+    assert unsealed.journal == run(store.load_journal("r2"))
     # Held by "me": nobody else claims it, and starting it again claims nothing.
     assert run(store.claim_next("w2", 30, ["wf|1"])) is None
     again, created_again, no_claim = run(store.start_run(new_run(), "w2", 30))

@@ -151,30 +151,59 @@ def start_run_leased(
     new: NewRun, owner: str, ttl_s: float, sent_at: float
 ) -> Plan[tuple[RunRecord, bool, Claim | None]]:
     """``start_run`` in one round, for a backend with ``start_run`` (the run, its event and
-    receipt, and its lease in one statement): the new run's journal is read after it in
-    the same transaction, or the run already there in its place."""
-    receipt: dict[str, Any] = {"schema_version": None, "payload_json": None, "checksum": None}
+    receipt, and its lease in one statement). A new run's journal is what that statement
+    wrote, so it is not read back; the run already there in its place is read after it in
+    the same transaction."""
+    receipt: dict[str, Any] | None = None
     if new.receipt is not None:
         receipt = insert_checkpoint(new.receipt, 1, 1)[1]
+    event_json = plain_json(_started(new))
     params = {
         **vars(new),
         "owner": owner,
         "ttl": ttl_s,
-        "event_json": plain_json(_started(new)),
-        "receipt": new.receipt is not None,
-        "schema_version": receipt["schema_version"],
-        "checkpoint_json": receipt["payload_json"],
-        "checksum": receipt["checksum"],
+        "event_json": event_json,
+        "receipt": receipt is not None,
+        "schema_version": None if receipt is None else receipt["schema_version"],
+        "checkpoint_json": None if receipt is None else receipt["payload_json"],
+        "checksum": None if receipt is None else receipt["checksum"],
     }
-    started, *answers = yield Round(
-        [("start_run", params), *_journal_queries(new.run_id, CHECKPOINTS_READ)], final=True
+    started, existing = yield Round(
+        [("start_run", params), ("get_run", {"run_id": new.run_id})], final=True
     )
     if not started:
-        return run_from_row(answers[0][0]), False, None
+        return run_from_row(existing[0]), False, None
     run = run_from_row(started[0])
     lease = Lease(run.run_id, owner, run.lease_epoch, ttl_s)
-    claim = Claim(run, lease, recovered=False, sent_at=sent_at, journal=_journal(answers))
-    return run, True, claim
+    journal = _new_journal(run, event_json, receipt)
+    return run, True, Claim(run, lease, recovered=False, sent_at=sent_at, journal=journal)
+
+
+def _new_journal(run: RunRecord, event_json: str, receipt: dict[str, Any] | None) -> Journal:
+    """A new run's journal as ``start_run`` wrote it: its ``run_started`` event (stamped
+    with the run's own creation time: one ``now()`` per transaction) and, if sealed, its
+    receipt checkpoint, which covers that event."""
+    if receipt is not None:
+        checkpoints, recent = [checkpoint_from_row(receipt)], []
+    else:
+        first = {
+            "run_id": run.run_id,
+            "sequence": 1,
+            "type": "run_started",
+            "step_id": None,
+            "payload_json": event_json,
+            "created_at": run.created_at,
+        }
+        checkpoints, recent = [], [event_from_row(first)]
+    return Journal(
+        run=run,
+        steps=[],
+        operations=[],
+        checkpoints=checkpoints,
+        signals=[],
+        approvals=[],
+        recent_events=recent,
+    )
 
 
 def _started(new: NewRun) -> dict[str, Any]:
