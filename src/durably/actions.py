@@ -103,7 +103,7 @@ async def start(
     record, created, claim = await store.start_run(new, owner, engine.lease_ttl.total_seconds())
     _started(new, record, created)
     if claim is not None:
-        return run_id, await runtime.drive(engine, claim)
+        return run_id, await runtime.drive(engine, claim, report=True)
     if not created:
         return run_id, await execute(engine, run_id, owner=owner, record=record)
     return run_id, None
@@ -146,7 +146,7 @@ async def execute(
     )
     if claim is None:
         return None
-    return await runtime.drive(engine, claim)
+    return await runtime.drive(engine, claim, report=True)
 
 
 async def resolve_effect(

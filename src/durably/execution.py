@@ -114,8 +114,11 @@ class RunContext(CallIdentity, JoinsApprovals):
     (parallel calls would otherwise race on separate connections)."""
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once this execution released the run (see :meth:`release`)."""
+    reports_run: bool = False
+    """Whether this execution's caller returns the run as its release leaves it
+    (``App.run``): then the commit that releases it reads it back (``released_as``)."""
     released_as: RunRecord | None = None
-    """The run as the commit that released it left it."""
+    """The run as the commit that released it left it, if ``reports_run``."""
     lease_deadline: float = float("inf")
     """``time.monotonic()`` by which the lease has run out unless renewed: the store fences
     late writes, but only this process can stop itself from sending late."""
@@ -367,6 +370,8 @@ class RunContext(CallIdentity, JoinsApprovals):
                 t.checkpoint is not None or t.operation is not None or t.run is not None
             ):
                 t = replace(t, at=self.at)  # see Transition.at
+            if t.release and self.reports_run:
+                t = replace(t, read_back=True)
             sent_at = time.monotonic()
             try:
                 committed = await (

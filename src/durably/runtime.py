@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from durably import context, faults, model_calls
@@ -245,24 +245,30 @@ async def load_context(engine: Engine, claim: Claim) -> RunContext:
 
 
 async def drive(
-    engine: Engine, claim: Claim, draining: asyncio.Event | None = None
+    engine: Engine,
+    claim: Claim,
+    draining: asyncio.Event | None = None,
+    *,
+    report: bool = False,
 ) -> RunRecord | None:
     """Execute a claimed run until it completes, fails, pauses or waits; then release it.
 
     If the lease is lost or the store fails, this execution stops writing and returns; the
     run is continued from what the store holds, by this worker or another.
 
-    Returns the run as this execution's release left it (None: it did not release it, or
-    released it without reading it back; the store has it).
+    ``report``: return the run as this execution's release left it, read back by the
+    releasing commit (None if it did not release it: the store has it).
     """
     try:
-        return await _drive(engine, claim, draining)
+        return await _drive(engine, claim, draining, report)
     except (LeaseLostError, StoreUnavailable) as exc:
         log.warning("run %s: stopped executing (%s)", claim.run.run_id, exc)
         return None
 
 
-async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -> RunRecord | None:
+async def _drive(
+    engine: Engine, claim: Claim, draining: asyncio.Event | None, report: bool
+) -> RunRecord | None:
     if claim.recovered:
         engine.metrics.lease_expired.inc()
     wf = engine.registry.workflow_def(claim.run.workflow)
@@ -270,7 +276,8 @@ async def _drive(engine: Engine, claim: Claim, draining: asyncio.Event | None) -
         ctx = await load_context(engine, claim)
     except (CheckpointCorrupted, CheckpointNotMigratable) as exc:
         paused = ending(RunStatus.PAUSED, _PAUSE_REASONS[type(exc)], exc, None)
-        return (await engine.store.commit(claim.lease, paused)).run
+        return (await engine.store.commit(claim.lease, replace(paused, read_back=report))).run
+    ctx.reports_run = report
     for op in ctx.operations.values():
         if op.status not in (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED):
             engine.metrics.step_recovery.labels(state=op.status.value).inc()

@@ -1141,6 +1141,16 @@ def test_the_run_an_execution_returns_is_the_run_as_stored(make_app: MakeApp) ->
             return await gate()
         return how
 
+    assert app.list_runs() == []  # opens the store
+    store = app.store
+    reads: list[str] = []
+    get_run = store.get_run
+
+    async def counted(run_id: str) -> Any:
+        reads.append(run_id)
+        return await get_run(run_id)
+
+    store.get_run = counted  # type: ignore[method-assign]
     for how, status in [
         ("completes", RunStatus.COMPLETED),
         ("fails", RunStatus.FAILED),
@@ -1148,8 +1158,10 @@ def test_the_run_an_execution_returns_is_the_run_as_stored(make_app: MakeApp) ->
         ("pauses", RunStatus.PAUSED),
     ]:
         returned = app.run(ends, how, run_id=f"r-{how}")
+        assert reads == []  # the releasing commit read it: no read of its own
         assert returned.status is status
         assert returned == app.get_run(returned.run_id)
+        reads.clear()
     app.send_event("r-waits", "go", "now")
     executed = app.run(ends, "waits", run_id="r-waits")
     assert executed.status is RunStatus.COMPLETED

@@ -254,7 +254,7 @@ def test_a_commit_at_a_known_state_applies_whole_where_the_run_is_or_not_at_all(
         at = before_commit_at(store, claim.lease, kind)
         if stale:  # the run moved after the holder's last commit
             assert run(store.deliver_signal(run_id, "e1", "aside", "{}"))
-        done = run(store.commit(claim.lease, at_state(run_id, at, kind)))
+        done = run(store.commit(claim.lease, replace(at_state(run_id, at, kind), read_back=True)))
         journal = run(store.load_journal(run_id))
         assert journal is not None
         stored = journal.run
@@ -264,8 +264,8 @@ def test_a_commit_at_a_known_state_applies_whole_where_the_run_is_or_not_at_all(
             stored.state_version,
             stored.last_sequence,
         )
-        # A release reads the run back in its own transaction; nothing moved it since.
-        assert done.run == (stored if kind == "ending" else None)
+        # Read back in the commit's own transaction; nothing moved the run since.
+        assert done.run == stored
         newest = journal.checkpoints[0]
         assert (newest.payload["state_version"], newest.payload["last_event_sequence"]) == (
             stored.state_version,
@@ -292,7 +292,8 @@ def test_commit_assigns_gap_free_sequences(store: Store) -> None:
     claim = run(store.claim_run("r1", "w1", 30))
     assert claim is not None
     run(store.commit(claim.lease, Transition(events=[EventWrite("a"), EventWrite("b")])))
-    run(store.commit(claim.lease, Transition(events=[EventWrite("c")])))
+    done = run(store.commit(claim.lease, Transition(events=[EventWrite("c")])))
+    assert done.run is None  # not read back unless asked
     assert [e.sequence for e in run(store.events("r1"))] == [1, 2, 3, 4]
 
 

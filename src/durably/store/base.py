@@ -296,6 +296,9 @@ class Transition:
     """Step rows written with ``step`` (the other calls waiting for approval with it)."""
     use_approval: ApprovalUse | None = None
     """Raises ApprovalExpired (and nothing of the transition applies) if not usable."""
+    read_back: bool = False
+    """Read the run after the commit, last in its transaction (``Committed.run``): its
+    executor returns the run as its release left it (``App.run``)."""
     at: tuple[int, int] | None = None
     """(state_version, last_sequence) where the lease holder last saw the run. Where the run
     still is there, a backend may seal the checkpoint before the fence returns and commit in one
@@ -313,7 +316,7 @@ class Committed:
     pause_requested: dict[str, Any] | None = None
     """The operator's pause request, if any: the run pauses at its next boundary."""
     run: RunRecord | None = None
-    """The run as a commit that released it left it (read in the same transaction)."""
+    """The run as the commit left it, if the transition asked for it (``read_back``)."""
 
 
 CHECKPOINTS_READ = 3

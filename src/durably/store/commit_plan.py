@@ -113,27 +113,27 @@ def commit(
     runnable = t.run is None or t.run.status in RUNNABLE
     # A released run, or one an operator made runnable, can be claimed at once.
     wake = runnable and (t.release or (isinstance(guard, Expect) and t.run is not None))
-    if t.release:
-        following.append(_released(run_id))
+    if t.read_back:
+        following.append(_read_back(run_id))
     answers = yield Round(following, final=True, notify=wake)
     return _committed(
         row,
         None if o is None else 1 if o.expect_row_version is None else o.expect_row_version + 1,
-        answers[-1] if t.release else None,
+        answers[-1] if t.read_back else None,
     )
 
 
-def _released(run_id: str) -> Query:
-    """The run as a commit that releases it leaves it, read last in the commit's
-    transaction: its executor returns it (``App.run``) without another round."""
+def _read_back(run_id: str) -> Query:
+    """The run as the commit leaves it, read last in the commit's transaction (see
+    ``Transition.read_back``): no round of its own."""
     return ("get_run", {"run_id": run_id})
 
 
 def _committed(
-    fenced: Row, operation_row_version: int | None, released: list[Row] | None = None
+    fenced: Row, operation_row_version: int | None, read_back: list[Row] | None = None
 ) -> Committed:
-    """What a commit tells its caller, from the row its fence returned (and ``released``,
-    the answer to :func:`_released`)."""
+    """What a commit tells its caller, from the row its fence returned (and ``read_back``,
+    the answer to :func:`_read_back`)."""
     return Committed(
         int(fenced["last_sequence"]),
         int(fenced["state_version"]),
@@ -141,7 +141,7 @@ def _committed(
         fenced["lease_until"],
         int(fenced["cancel_requested"]),
         loads(fenced["pause_requested"]),
-        run_from_row(released[0]) if released else None,
+        run_from_row(read_back[0]) if read_back else None,
     )
 
 
@@ -153,6 +153,7 @@ def _one_round(t: Transition) -> bool:
         and t.operation is None
         and t.run is None
         and not t.release
+        and not t.read_back
         and _fence_and_rows_only(t)
     )
 
@@ -286,13 +287,13 @@ def commit_at(guard: Lease, t: Transition) -> Plan[Committed | None]:
             prune=t.checkpoint.prune,
         )
     queries = [("commit_at", params)]
-    if t.release:
-        queries.append(_released(guard.run_id))
-    fenced, *released = yield Round(queries, final=True)
+    if t.read_back:
+        queries.append(_read_back(guard.run_id))
+    fenced, *read_back = yield Round(queries, final=True)
     if not fenced:
         return None
     written = None if o is None else 1 if o.expect_row_version is None else o.expect_row_version + 1
-    return _committed(fenced[0], written, released[0] if released else None)
+    return _committed(fenced[0], written, read_back[0] if read_back else None)
 
 
 # commit_at's parameters for what a transition does not write.
