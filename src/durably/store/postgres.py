@@ -243,7 +243,8 @@ class PostgresStore(SQLStore):
         return await self._transact(work, idempotent=True)
 
     def _pick(self, name: str, params: dict[str, Any]) -> Plan[Rows]:
-        (claimed,) = yield Round([(name, params)])
+        ordered = [("claim_in_index_order", {})] if name == "claim_batch" else []
+        *_, claimed = yield Round([*ordered, (name, params)])
         return claimed
 
     def _list(self, values: Sequence[str]) -> list[str]:

@@ -60,9 +60,11 @@ RETURNING *;
 UPDATE durably_runs SET last_sequence = last_sequence + 1 WHERE run_id = :run_id;
 
 -- name: live_owners
--- Who holds a lease that has not run out (owners.dead judges which of them are gone).
+-- Who holds a lease that has not run out (owners.dead judges which of them are gone). The
+-- runnable statuses, spelled as durably_runs_runnable's, let SQLite read that index only.
 SELECT DISTINCT lease_owner FROM durably_runs
-WHERE status IN ('running', 'reconciling') AND lease_until > :now;
+WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval')
+  AND status IN ('running', 'reconciling') AND lease_until > :now;
 
 -- name: expire_run_leases
 -- End now the leases of owners whose process is gone, so their runs can be claimed at once.

@@ -140,4 +140,5 @@ CREATE INDEX durably_events_reconciled ON durably_events (run_id)
 
 CREATE INDEX durably_runs_created ON durably_runs (created_at);
 
-CREATE INDEX durably_runs_runnable ON durably_runs (status, available_at);
+CREATE INDEX durably_runs_runnable ON durably_runs (available_at, created_at)
+    WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval');
