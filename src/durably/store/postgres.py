@@ -243,8 +243,13 @@ class PostgresStore(SQLStore):
         return await self._transact(work, idempotent=True)
 
     def _pick(self, name: str, params: dict[str, Any]) -> Plan[Rows]:
-        ordered = [("claim_in_index_order", {})] if name == "claim_batch" else []
-        *_, claimed = yield Round([*ordered, (name, params)])
+        if name != "claim_batch":
+            (claimed,) = yield Round([(name, params)])
+            return claimed
+        # In claim order, for this statement only (see claim_in_index_order).
+        _, claimed, _ = yield Round(
+            [("claim_in_index_order", {}), (name, params), ("claim_done_in_index_order", {})]
+        )
         return claimed
 
     def _list(self, values: Sequence[str]) -> list[str]:

@@ -77,12 +77,16 @@ FROM candidate c WHERE r.run_id = c.run_id
 RETURNING r.*, c.old_status, c.old_owner, c.old_until;
 
 -- name: claim_in_index_order
--- Sent before claim_batch, for the rest of its transaction: the planner walks
--- durably_runs_runnable in claim order and stops at the batch. Its estimate of how many runs
--- are due comes from the table's statistics; after a burst of new runs, until autovacuum
--- analyzes the table, it would read every due run and sort them all, so that each claim
--- cost as much as the backlog.
+-- Sent just before claim_batch: the planner walks durably_runs_runnable in claim order and
+-- stops at the batch. Its estimate of how many runs are due comes from the table's
+-- statistics; after a burst of new runs, until autovacuum analyzes the table, it would read
+-- every due run and sort them all, so that each claim cost as much as the backlog.
 SET LOCAL enable_sort = off;
+
+-- name: claim_done_in_index_order
+-- Sent just after claim_batch: the rest of the claim's transaction (the journals' reads,
+-- which do need sorts) is planned as usual again.
+SET LOCAL enable_sort = on;
 
 -- name: claim_batch
 -- Lease up to %(limit)s of the oldest due, unheld runs of these workflows at once (a worker's
