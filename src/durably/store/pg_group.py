@@ -95,16 +95,10 @@ class Gathering:
         self._rounds: set[asyncio.Task[None]] = set()
         self._sending: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
 
-    async def write(
-        self,
-        plan: Callable[[], Plan[Any]],
-        steps: Generator[Round, list[Rows], Any],
-        first: Round,
-        idempotent: bool,
-    ) -> Any:
-        """The plan's result, its one round sent with those of the writes ready with it."""
+    async def write(self, me: Write) -> Any:
+        """The result of ``me``'s plan, its one round sent with those of the writes ready
+        with it."""
         loop = asyncio.get_running_loop()
-        me = Write(plan, steps, first, idempotent)
         joining = self._joining.get(loop)
         if joining is not None:
             joining.append(me)

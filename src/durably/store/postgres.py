@@ -172,7 +172,7 @@ class PostgresStore(SQLStore):
             return await self._transact(work, idempotent=idempotent)
         steps, first = _begun(plan)
         if first.final:
-            result: T = await self._gathering.write(plan, steps, first, idempotent)
+            result: T = await self._gathering.write(Write(plan, steps, first, idempotent))
             return result
         return await self._transact(self._work(plan, (steps, first)), idempotent=idempotent)
 
