@@ -42,7 +42,7 @@ def postgres_catalog(url: str, schema: str) -> list[tuple[object, ...]]:
 
     with psycopg.connect(url) as conn:
         columns = conn.execute(
-            "SELECT table_name, column_name, data_type, is_nullable, column_default "
+            "SELECT table_name, column_name, data_type, domain_name, is_nullable, column_default "
             "FROM information_schema.columns WHERE table_schema = %s ORDER BY 1, 2",
             (schema,),
         ).fetchall()
@@ -51,6 +51,7 @@ def postgres_catalog(url: str, schema: str) -> list[tuple[object, ...]]:
             "WHERE schemaname = %s ORDER BY 1, 2",
             (f"{schema}.", schema),
         ).fetchall()
+        # A domain's constraints have no table (conrelid 0 shows as "-").
         checks = conn.execute(
             "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) "
             "FROM pg_constraint WHERE connamespace = %s::regnamespace ORDER BY 1, 2",

@@ -3,15 +3,28 @@
 CREATE TABLE durably_schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL);
 
 
+-- Statuses and kinds are domains, not CHECKs on their tables (migration 0008 says why).
+CREATE DOMAIN durably_run_status AS TEXT CHECK (VALUE IN ('queued', 'running',
+    'waiting_approval', 'waiting_external', 'paused', 'reconciling', 'completed', 'failed',
+    'cancelled'));
+CREATE DOMAIN durably_step_kind AS TEXT CHECK (VALUE IN ('step', 'tool'));
+CREATE DOMAIN durably_step_status AS TEXT CHECK (VALUE IN ('pending', 'ready',
+    'intent_recorded', 'executing', 'succeeded', 'failed', 'unknown', 'reconciling',
+    'waiting_approval', 'cancelled'));
+CREATE DOMAIN durably_operation_status AS TEXT CHECK (VALUE IN ('intent_recorded',
+    'executing', 'succeeded', 'failed', 'unknown', 'reconciling', 'compensated'));
+CREATE DOMAIN durably_approval_kind AS TEXT CHECK (VALUE IN ('tool', 'plan'));
+CREATE DOMAIN durably_approval_status AS TEXT CHECK (VALUE IN ('requested', 'approved',
+    'rejected', 'expired', 'consumed', 'superseded'));
+
+
 CREATE TABLE durably_runs (
     run_id            TEXT PRIMARY KEY,
     tenant_id         TEXT NOT NULL,
     workflow          TEXT NOT NULL,
     workflow_version  TEXT NOT NULL,
     plan_version      INTEGER NOT NULL DEFAULT 1,
-    status            TEXT NOT NULL CHECK (status IN ('queued', 'running', 'waiting_approval',
-                        'waiting_external', 'paused', 'reconciling', 'completed', 'failed',
-                        'cancelled')),
+    status            durably_run_status NOT NULL,
     status_reason     TEXT,
     input_json        TEXT NOT NULL,
     input_hash        TEXT NOT NULL,
@@ -36,15 +49,14 @@ CREATE INDEX durably_runs_runnable ON durably_runs (available_at, created_at)
     WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval');
 CREATE INDEX durably_runs_created ON durably_runs (created_at);
 
+-- No foreign key on the log's two tables (migration 0009 says why).
 CREATE TABLE durably_steps (
-    run_id            TEXT NOT NULL REFERENCES durably_runs (run_id),
+    run_id            TEXT NOT NULL,
     step_id           TEXT NOT NULL,
     position          INTEGER NOT NULL,
-    kind              TEXT NOT NULL CHECK (kind IN ('step', 'tool')),
+    kind              durably_step_kind NOT NULL,
     name              TEXT NOT NULL,
-    status            TEXT NOT NULL CHECK (status IN ('pending', 'ready', 'intent_recorded',
-                        'executing', 'succeeded', 'failed', 'unknown', 'reconciling',
-                        'waiting_approval', 'cancelled')),
+    status            durably_step_status NOT NULL,
     input_hash        TEXT NOT NULL,
     output_json       TEXT,
     error_json        TEXT,
@@ -67,8 +79,7 @@ CREATE TABLE durably_tool_operations (
     tool_version           TEXT NOT NULL,
     input_hash             TEXT NOT NULL,
     arguments_json         TEXT NOT NULL,
-    status                 TEXT NOT NULL CHECK (status IN ('intent_recorded', 'executing',
-                             'succeeded', 'failed', 'unknown', 'reconciling', 'compensated')),
+    status                 durably_operation_status NOT NULL,
     result_json            TEXT,
     error_json             TEXT,
     failure_category       TEXT,
@@ -85,7 +96,7 @@ CREATE TABLE durably_tool_operations (
 
 -- The event log is also the transactional outbox (see the SQLite schema for why).
 CREATE TABLE durably_events (
-    run_id        TEXT NOT NULL REFERENCES durably_runs (run_id),
+    run_id        TEXT NOT NULL,
     sequence      BIGINT NOT NULL,
     type          TEXT NOT NULL,
     step_id       TEXT,
@@ -125,14 +136,13 @@ CREATE TABLE durably_approvals (
     approval_id      TEXT PRIMARY KEY,
     run_id           TEXT NOT NULL REFERENCES durably_runs (run_id),
     step_id          TEXT NOT NULL,
-    kind             TEXT NOT NULL CHECK (kind IN ('tool', 'plan')),
+    kind             durably_approval_kind NOT NULL,
     name             TEXT NOT NULL,
     payload_json     TEXT NOT NULL,
     input_hash       TEXT NOT NULL,
     idempotency_key  TEXT,
     plan_version     INTEGER NOT NULL,
-    status           TEXT NOT NULL CHECK (status IN ('requested', 'approved', 'rejected',
-                       'expired', 'consumed', 'superseded')),
+    status           durably_approval_status NOT NULL,
     requested_at     DOUBLE PRECISION NOT NULL,
     expires_at       DOUBLE PRECISION NOT NULL,
     decided_at       DOUBLE PRECISION,
