@@ -137,6 +137,7 @@ class StepCall:
             status,
             self.input_hash,
             attempts=attempt,
+            new_row=self.step_id not in self.ctx.steps,
             **changes,
         )
 

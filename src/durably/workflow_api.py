@@ -126,6 +126,7 @@ async def patched(name: str) -> bool:
                     sha256_hex(name),
                     output_json="true",
                     settle=True,
+                    new_row=True,
                 ),
                 checkpoint=ctx.journal.periodic(current_step=step_id),
             ),

@@ -1173,3 +1173,48 @@ def test_the_run_an_execution_returns_is_the_run_as_stored(make_app: MakeApp) ->
     assert resumed.status is RunStatus.COMPLETED
     assert resumed.result == "ok"
     assert resumed == app.get_run("r-pauses")
+
+
+def test_a_steps_first_write_says_its_row_is_new(make_app: MakeApp) -> None:
+    """A step's result or failure is written once, and its writer says the row is new (on
+    PostgreSQL a plain insert in one statement); the row is then what the step returned or
+    raised."""
+    app = make_app()
+
+    @app.step()
+    async def double(x: int) -> int:
+        return 2 * x
+
+    @app.step(retry=RetryPolicy(max_attempts=2, initial_interval=timedelta(0)))
+    async def refuse() -> int:
+        raise ValueError("no")
+
+    @app.workflow()
+    async def flow(fail: bool) -> int:
+        total = await double(1) + await double(2)
+        if fail:
+            await refuse()
+        return total
+
+    assert app.list_runs() == []  # opens the store
+    store = app.store
+    writes: list[Any] = []
+    commit = store.commit
+
+    async def seen(guard: Any, t: Any) -> Any:
+        if t.step is not None:
+            writes.append(t.step)
+        return await commit(guard, t)
+
+    store.commit = seen  # type: ignore[method-assign]
+    assert app.run(flow, False, run_id="ok").result == 6
+    assert app.run(flow, True, run_id="no").status is RunStatus.FAILED
+    assert [(w.step_id, w.status.value, w.new_row) for w in writes] == [
+        ("double#1", "succeeded", True),
+        ("double#2", "succeeded", True),
+        ("double#1", "succeeded", True),
+        ("double#2", "succeeded", True),
+        ("refuse#1", "failed", True),
+    ]
+    steps = {s["step_id"]: s for s in app.describe("no")["steps"]}
+    assert (steps["double#2"]["output"], steps["refuse#1"]["status"]) == (4, "failed")

@@ -153,7 +153,44 @@ def test_expired_lease_is_taken_over_and_old_owner_is_fenced(store: Store) -> No
     assert "run_recovered" in [e.type for e in run(store.events("r1"))]
 
 
-def test_a_step_commit_by_a_fenced_owner_writes_nothing(store: Store) -> None:
+@pytest.mark.parametrize("new_row", [False, True], ids=["upsert", "new_row"])
+def test_a_step_commit_writes_its_event_and_row(store: Store, new_row: bool) -> None:
+    """A step's commit writes its event and its row, settled at that event, whether its
+    writer knows the row is new (on PostgreSQL ``commit_step``: one statement, a plain
+    insert) or not (an upsert); a later commit of the same step updates that row."""
+    run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    first = StepWrite(
+        "s#1", 1, "step", "s", StepStatus.FAILED, "h", error={"m": "x"}, attempts=1, new_row=new_row
+    )
+    done = run(
+        store.commit(claim.lease, Transition(events=[EventWrite("step_failed", "s#1")], step=first))
+    )
+    again = StepWrite(
+        "s#1", 1, "step", "s", StepStatus.SUCCEEDED, "h", "1", attempts=2, settle=True
+    )
+    last = run(
+        store.commit(
+            claim.lease, Transition(events=[EventWrite("step_succeeded", "s#1")], step=again)
+        )
+    )
+    journal = run(store.load_journal("r1"))
+    assert journal is not None
+    (row,) = journal.steps
+    assert (row.status, row.output_json, row.attempts, row.settled_sequence) == (
+        StepStatus.SUCCEEDED,
+        "1",
+        2,
+        last.last_sequence,
+    )
+    events = [(e.sequence, e.type) for e in run(store.events("r1"))][-2:]
+    assert events == [(done.last_sequence, "step_failed"), (last.last_sequence, "step_succeeded")]
+    assert journal.run.last_sequence == last.last_sequence
+
+
+@pytest.mark.parametrize("new_row", [False, True], ids=["upsert", "new_row"])
+def test_a_step_commit_by_a_fenced_owner_writes_nothing(store: Store, new_row: bool) -> None:
     """A step's commit (on PostgreSQL one statement whose writes select from the fence) by
     an owner that lost the lease leaves no step row, no event and the run row as it was."""
     run(store.create_run(new_run()))
@@ -163,7 +200,9 @@ def test_a_step_commit_by_a_fenced_owner_writes_nothing(store: Store) -> None:
     assert run(store.claim_next("w2", 30, ["wf|1"])) is not None
     before = run(store.load_journal("r1"))
     assert before is not None
-    step = StepWrite("s#1", 1, "step", "s", StepStatus.SUCCEEDED, "h", "1", settle=True)
+    step = StepWrite(
+        "s#1", 1, "step", "s", StepStatus.SUCCEEDED, "h", "1", settle=True, new_row=new_row
+    )
     with pytest.raises(LeaseLostError):
         run(store.commit(old.lease, Transition(events=[EventWrite("late", "s#1")], step=step)))
     after = run(store.load_journal("r1"))
@@ -327,7 +366,8 @@ def test_commit_is_atomic(store: Store, named_state: bool) -> None:
     assert "should_vanish" not in [e.type for e in run(store.events("r1"))]
 
 
-def test_a_commit_in_one_round_is_atomic(store: Store, database_url: str) -> None:
+@pytest.mark.parametrize("new_row", [False, True], ids=["upsert", "new_row"])
+def test_a_commit_in_one_round_is_atomic(store: Store, database_url: str, new_row: bool) -> None:
     """A step's commit is one round (on PostgreSQL one pipeline, its own implicit
     transaction): a statement failing after the fence leaves nothing of it, fence included."""
     run(store.create_run(new_run()))
@@ -341,7 +381,9 @@ def test_a_commit_in_one_round_is_atomic(store: Store, database_url: str) -> Non
         " VALUES (?, ?, 'squatter', NULL, '{}', 0)",
         ("r1", before.run.last_sequence + 1),
     )
-    step = StepWrite("s#1", 1, "step", "s", StepStatus.SUCCEEDED, "h", "1", settle=True)
+    step = StepWrite(
+        "s#1", 1, "step", "s", StepStatus.SUCCEEDED, "h", "1", settle=True, new_row=new_row
+    )
     with pytest.raises((InvalidTransition, sqlite3.IntegrityError)):
         run(store.commit(claim.lease, Transition(events=[EventWrite("done", "s#1")], step=step)))
     after = run(store.load_journal("r1"))

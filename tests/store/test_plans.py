@@ -4,6 +4,7 @@ backends."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -87,6 +88,18 @@ def test_a_step_without_a_checkpoint_commits_in_one_round() -> None:
     with pytest.raises(StopIteration) as done:
         plan.send([FENCED, [], [], []])
     assert done.value.value == Committed(7, 9, None, 99.0, 0)
+
+
+def test_only_a_step_whose_row_is_new_commits_as_one_statement() -> None:
+    """Where the backend has ``commit_step`` (a plain insert), a step whose writer knows it
+    has no row yet takes it; any other step's row is upserted, after the fence."""
+    new = replace(step_commit(checkpoint=None).step, new_row=True)
+    plan = commit_plan.commit(LEASE, step_commit(checkpoint=None, step=new), step_statement=True)
+    (statement,) = first_round(plan).queries
+    assert statement[0] == "commit_step"
+    assert (statement[1]["step_id"], statement[1]["settle"]) == ("s#1", True)
+    plan = commit_plan.commit(LEASE, step_commit(checkpoint=None), step_statement=True)
+    assert names(first_round(plan)) == ["fence_lease", "insert_event_fenced", "upsert_step_fenced"]
 
 
 def test_a_step_in_one_round_refuses_a_lost_lease() -> None:

@@ -62,7 +62,7 @@ def commit(
         )
     refusing = [fence]
     if isinstance(guard, Lease) and _one_round(t):
-        if step_statement and len(t.events) == 1 and t.step is not None:
+        if step_statement and len(t.events) == 1 and t.step is not None and t.step.new_row:
             return (yield from _commit_step(guard, t))
         return (yield from _commit_in_one_round(guard, t, fence))
     o = t.operation
@@ -199,8 +199,9 @@ def _commit_in_one_round(guard: Lease, t: Transition, fence: Query) -> Plan[Comm
 
 
 def _commit_step(guard: Lease, t: Transition) -> Plan[Committed]:
-    """A step's commit (one event and the step row) as one statement: a statement costs the
-    client more than anything else in the commit, so this is the cheapest the fence allows."""
+    """A step's commit (one event and its new step row) as one statement: a statement costs
+    the client more than anything else in the commit, so this is the cheapest the fence
+    allows."""
     assert t.step is not None
     (e,) = t.events
     params = {

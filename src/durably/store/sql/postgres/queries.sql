@@ -266,8 +266,10 @@ ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
     updated_at = excluded.updated_at;
 
 -- name: commit_step
--- A step's commit as one statement (the fence, its one event and the step row): the writes
--- select from the fence's RETURNING, so none applies unless the lease holds. No row: lost.
+-- A step's commit as one statement (the fence, its one event and the step's new row): the
+-- writes select from the fence's RETURNING, so none applies unless the lease holds. No row:
+-- lost. A plain insert, not an upsert: its writer knows the step has no row yet
+-- (StepWrite.new_row), and PostgreSQL writes an upsert's row speculatively, then confirms it.
 WITH fence AS (
     UPDATE durably_runs SET last_sequence = last_sequence + 1,
         state_version = state_version + 1,
@@ -290,11 +292,6 @@ WITH fence AS (
         CASE WHEN %(settle)s THEN last_sequence END, extract(epoch FROM now()),
         extract(epoch FROM now()), %(model_call_json)s
     FROM fence
-    ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
-        output_json = excluded.output_json, error_json = excluded.error_json,
-        attempts = excluded.attempts, model_call_json = excluded.model_call_json,
-        settled_sequence = coalesce(excluded.settled_sequence, durably_steps.settled_sequence),
-        updated_at = excluded.updated_at
 )
 SELECT last_sequence, state_version, lease_until, cancel_requested, pause_requested FROM fence;
 
