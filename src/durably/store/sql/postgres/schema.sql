@@ -49,7 +49,7 @@ CREATE INDEX durably_runs_runnable ON durably_runs (available_at, created_at)
     WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval');
 CREATE INDEX durably_runs_created ON durably_runs (created_at);
 
--- No foreign key on the log's two tables (migration 0009 says why).
+-- No foreign key to durably_runs on the rows only commits write (migration 0009 says why).
 CREATE TABLE durably_steps (
     run_id            TEXT NOT NULL,
     step_id           TEXT NOT NULL,
@@ -72,7 +72,7 @@ CREATE TABLE durably_steps (
 CREATE TABLE durably_tool_operations (
     tenant_id              TEXT NOT NULL,
     idempotency_key        TEXT NOT NULL,
-    run_id                 TEXT NOT NULL REFERENCES durably_runs (run_id),
+    run_id                 TEXT NOT NULL,
     step_id                TEXT NOT NULL,
     plan_version           INTEGER NOT NULL,
     tool_name              TEXT NOT NULL,
@@ -106,7 +106,7 @@ CREATE TABLE durably_events (
 );
 
 CREATE TABLE durably_checkpoints (
-    run_id               TEXT NOT NULL REFERENCES durably_runs (run_id),
+    run_id               TEXT NOT NULL,
     state_version        BIGINT NOT NULL,
     last_event_sequence  BIGINT NOT NULL,
     schema_version       INTEGER NOT NULL,
