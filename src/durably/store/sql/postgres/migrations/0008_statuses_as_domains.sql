@@ -4,7 +4,9 @@
 -- table, whatever columns the statement sets. That was almost half the server's time of a
 -- step's commit (~45 µs of ~110), whose fence updates the run's row without touching its
 -- status. A domain's check is read once per connection, and runs only where a statement
--- writes the column.
+-- writes the column. Applying this rewrites the four tables under an exclusive lock
+-- (PostgreSQL checks every stored value against its new domain): on a large database, run
+-- `durably migrate` while no worker runs.
 
 CREATE DOMAIN durably_run_status AS TEXT CHECK (VALUE IN ('queued', 'running',
     'waiting_approval', 'waiting_external', 'paused', 'reconciling', 'completed', 'failed',
