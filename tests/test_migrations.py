@@ -57,7 +57,23 @@ def postgres_catalog(url: str, schema: str) -> list[tuple[object, ...]]:
             "FROM pg_constraint WHERE connamespace = %s::regnamespace ORDER BY 1, 2",
             (schema,),
         ).fetchall()
-    return [*columns, *indexes, *[(t.split(".")[-1], n, d) for t, n, d in checks]]
+        triggers = conn.execute(
+            "SELECT event_object_table, trigger_name, action_timing, event_manipulation, "
+            "action_statement FROM information_schema.triggers WHERE trigger_schema = %s "
+            "ORDER BY 1, 2",
+            (schema,),
+        ).fetchall()
+        functions = conn.execute(
+            "SELECT proname, prosrc FROM pg_proc WHERE pronamespace = %s::regnamespace ORDER BY 1",
+            (schema,),
+        ).fetchall()
+    return [
+        *columns,
+        *indexes,
+        *[(t.split(".")[-1], n, d) for t, n, d in checks],
+        *triggers,
+        *functions,
+    ]
 
 
 def test_postgres_migrations_produce_the_snapshot(postgres_schema: str) -> None:

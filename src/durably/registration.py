@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
 from durably import context, runtime
+from durably.calls import PATCH
 from durably.definitions import (
     Budget,
     Classifier,
@@ -69,6 +70,12 @@ def check_step_id(step_id: str) -> None:
     check_text(step_id, "step id")
     if not step_id or "|" in step_id:
         raise ConfigurationError(f"step id {step_id!r} is empty or contains '|'")
+    # A patch marker's row is written as new, once: a step of the same id would share it.
+    if step_id.startswith(f"{PATCH}:"):
+        raise ConfigurationError(
+            f"step id {step_id!r} is reserved: ids starting with {PATCH + ':'!r} are "
+            "durably.patched() markers; choose another id"
+        )
 
 
 class Register(Protocol):

@@ -178,6 +178,31 @@ def test_reusing_an_explicit_step_id_is_refused(make_app: MakeApp) -> None:
     assert "used twice" in run.error["message"]
 
 
+def test_a_step_id_of_a_patch_marker_is_refused(make_app: MakeApp) -> None:
+    """``durably.patch:<name>`` is the row of ``durably.patched(name)``: a step under that id
+    would share it, so the id is refused before anything runs or is written."""
+    app = make_app()
+    ran: list[int] = []
+
+    @app.step()
+    def summarize(i: int) -> int:
+        ran.append(i)
+        return i
+
+    @app.workflow()
+    async def wf() -> list[object]:
+        return [await summarize.with_step_id("durably.patch:x")(7), await durably.patched("x")]
+
+    run = app.run(wf)
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None
+    assert "reserved" in run.error["message"]
+    assert ran == []
+    assert [s["step_id"] for s in app.describe(run.run_id)["steps"]] == []
+    with pytest.raises(durably.ConfigurationError, match="reserved"):
+        summarize.with_step_id("durably.patch:x")
+
+
 def test_compensation_replays_identically(make_app: MakeApp) -> None:
     app = make_app()
     state = {"open": False}

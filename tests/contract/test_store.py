@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from typing import TypeVar
 
+import psycopg
 import pytest
 
 from durably.checkpoint import JournalState, from_stored
@@ -210,6 +211,18 @@ def test_a_step_commit_by_a_fenced_owner_writes_nothing(store: Store, new_row: b
     assert after.steps == []
     assert after.run == before.run
     assert "late" not in [e.type for e in run(store.events("r1"))]
+
+
+def test_a_run_cannot_be_deleted(store: Store, database_url: str) -> None:
+    """A run's row is kept with its events, steps and checkpoints, which would otherwise meet
+    the next run of its id: a delete behind durably's back, on a connection of its own
+    (foreign keys enforced or not), is refused and leaves the run as it was."""
+    run(store.create_run(new_run()))
+    before = run(store.load_journal("r1"))
+    with pytest.raises((sqlite3.IntegrityError, psycopg.errors.RestrictViolation)) as refused:
+        execute_sql(database_url, "DELETE FROM durably_runs WHERE run_id = ?", ("r1",))
+    assert "cannot be deleted" in str(refused.value)
+    assert run(store.load_journal("r1")) == before
 
 
 def at_state(run_id: str, at: tuple[int, int], kind: str) -> Transition:

@@ -49,6 +49,16 @@ CREATE INDEX durably_runs_runnable ON durably_runs (available_at, created_at)
     WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval');
 CREATE INDEX durably_runs_created ON durably_runs (created_at);
 
+-- A run is never deleted (migration 0009 says why a trigger, not the foreign keys, says so).
+CREATE FUNCTION durably_keep_runs() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'run % cannot be deleted: durably keeps every run with its events, '
+        'steps and checkpoints', OLD.run_id USING ERRCODE = 'restrict_violation';
+END
+$$;
+CREATE TRIGGER durably_keep_runs BEFORE DELETE ON durably_runs
+    FOR EACH ROW EXECUTE FUNCTION durably_keep_runs();
+
 -- No foreign key to durably_runs on the rows only commits write (migration 0009 says why).
 CREATE TABLE durably_steps (
     run_id            TEXT NOT NULL,

@@ -142,3 +142,9 @@ CREATE INDEX durably_runs_created ON durably_runs (created_at);
 
 CREATE INDEX durably_runs_runnable ON durably_runs (available_at, created_at)
     WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval');
+
+-- A run is never deleted, whatever the connection's foreign key setting (migration 0009).
+CREATE TRIGGER durably_keep_runs BEFORE DELETE ON durably_runs
+BEGIN
+    SELECT RAISE(ABORT, 'a run cannot be deleted: durably keeps every run with its events, steps and checkpoints');
+END;
