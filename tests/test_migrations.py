@@ -6,6 +6,8 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from durably.store.migrations import migrations, schema_snapshot, split_statements
 from durably.store.sqlite import SQLiteStore
 
@@ -113,3 +115,54 @@ def test_concurrent_postgres_migrations_apply_once(postgres_schema: str) -> None
             pool.map(lambda _: Migrator("postgres", _MigrationTarget(url)).apply(), range(8))
         )
     assert sorted(v for r in results for v in r) == [m.version for m in migrations("postgres")]
+
+
+def test_postgres_statuses_become_domains_in_place_over_existing_rows(postgres_schema: str) -> None:
+    """A database at migration 7 holding a run, its step and its operation: migrations 8
+    and 9 keep every row and status, rewrite no table (each keeps its file), and afterwards
+    a status outside its domain and a run's deletion are refused."""
+    import psycopg
+
+    from durably.store.migrations import Migrator
+    from durably.store.postgres import _MigrationTarget
+    from tests.conftest import postgres_schema_url
+
+    url = postgres_schema_url(postgres_schema)
+    target = _MigrationTarget(url)
+    for m in migrations("postgres"):
+        if m.version <= 7:
+            assert target.apply_migration(m.version, m.name, m.sql)
+    tables = ("durably_runs", "durably_steps", "durably_tool_operations", "durably_approvals")
+    statuses = (
+        "SELECT r.status, s.kind, s.status, o.status FROM durably_runs r "
+        "JOIN durably_steps s USING (run_id) JOIN durably_tool_operations o USING (run_id)"
+    )
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO durably_runs (run_id, tenant_id, workflow, workflow_version, status, "
+            "input_json, input_hash, available_at, created_at, updated_at) "
+            "VALUES ('r1', 't', 'wf', '1', 'paused', '{}', 'h', 0, 0, 0)"
+        )
+        conn.execute(
+            "INSERT INTO durably_steps (run_id, step_id, position, kind, name, status, "
+            "input_hash, created_at, updated_at) "
+            "VALUES ('r1', 'send#1', 1, 'tool', 'send', 'unknown', 'h', 0, 0)"
+        )
+        conn.execute(
+            "INSERT INTO durably_tool_operations (tenant_id, idempotency_key, run_id, step_id, "
+            "plan_version, tool_name, tool_version, input_hash, arguments_json, status, "
+            "created_at, updated_at) "
+            "VALUES ('t', 'k', 'r1', 'send#1', 1, 'send', '1', 'h', '{}', 'unknown', 0, 0)"
+        )
+        files = [conn.execute("SELECT pg_relation_filenode(%s)", (t,)).fetchone() for t in tables]
+        assert Migrator("postgres", target).apply() == [8, 9]
+        assert conn.execute(statuses).fetchall() == [("paused", "tool", "unknown", "unknown")]
+        assert [
+            conn.execute("SELECT pg_relation_filenode(%s)", (t,)).fetchone() for t in tables
+        ] == files
+        with pytest.raises(psycopg.errors.CheckViolation, match="durably_run_status"):
+            conn.execute("UPDATE durably_runs SET status = 'done' WHERE run_id = 'r1'")
+        with pytest.raises(psycopg.errors.CheckViolation, match="durably_step_status"):
+            conn.execute("UPDATE durably_steps SET status = 'done' WHERE run_id = 'r1'")
+        with pytest.raises(psycopg.errors.RestrictViolation, match="cannot be deleted"):
+            conn.execute("DELETE FROM durably_runs WHERE run_id = 'r1'")
