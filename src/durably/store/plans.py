@@ -78,6 +78,10 @@ def insert_event(
     run_id: str, sequence: int, type_: str, step_id: str | None, payload: dict[str, Any]
 ) -> Query:
     """One event of the run's log at ``sequence``, as a query."""
+    return _event(run_id, sequence, type_, step_id, plain_json(payload))
+
+
+def _event(run_id: str, sequence: int, type_: str, step_id: str | None, payload_json: str) -> Query:
     return (
         "insert_event",
         {
@@ -85,7 +89,7 @@ def insert_event(
             "sequence": sequence,
             "type": type_,
             "step_id": step_id,
-            "payload_json": plain_json(payload),
+            "payload_json": payload_json,
         },
     )
 
@@ -124,36 +128,16 @@ def create_run(new: NewRun) -> Plan[tuple[RunRecord, bool]]:
     return run_from_row(existing[0]), False
 
 
-def start_run(new: NewRun, claim: Plan[list[Claim]]) -> Plan[tuple[RunRecord, bool, Claim | None]]:
-    """``create_run``, then ``claim`` (of the new run) in the same transaction, its first
-    round sent with the new run's event and checkpoint: the run's creator executes it, and
-    no worker is woken for it."""
-    (inserted,) = yield Round([("insert_run", vars(new))])
-    if not inserted:
-        (existing,) = yield Round([("get_run", {"run_id": new.run_id})], final=True)
-        return run_from_row(existing[0]), False, None
-    received = _received(new, inserted[0])
-    picking = next(claim)
-    answers = yield Round([*received, *picking.queries], final=picking.final)
-    answers = answers[len(received) :]
-    while True:
-        try:
-            picking = claim.send(answers)
-        except StopIteration as claimed:
-            claims: list[Claim] = claimed.value
-            if not claims:
-                return run_from_row(inserted[0]), True, None
-            return claims[0].run, True, claims[0]
-        answers = yield picking
-
-
-def start_run_leased(
-    new: NewRun, owner: str, ttl_s: float, sent_at: float
+def start_run(
+    new: NewRun, owner: str, ttl_s: float, sent_at: float, *, one_statement: bool
 ) -> Plan[tuple[RunRecord, bool, Claim | None]]:
-    """``start_run`` in one round, for a backend with ``start_run`` (the run, its event and
-    receipt, and its lease in one statement). A new run's journal is what that statement
-    wrote, so it is not read back; the run already there in its place is read after it in
-    the same transaction."""
+    """``create_run`` with the new run already leased to its creator, who executes it: no
+    worker is woken for it, and no claim reads back a journal this transaction wrote. The
+    run already there in its place is read after it, in the same transaction.
+
+    ``one_statement``: the backend's ``start_run`` also writes the run's event and receipt
+    (a data-modifying ``WITH``), so the whole start is one round.
+    """
     receipt: dict[str, Any] | None = None
     if new.receipt is not None:
         receipt = insert_checkpoint(new.receipt, 1, 1)[1]
@@ -168,9 +152,20 @@ def start_run_leased(
         "checkpoint_json": None if receipt is None else receipt["payload_json"],
         "checksum": None if receipt is None else receipt["checksum"],
     }
-    started, existing = yield Round(
-        [("start_run", params), ("get_run", {"run_id": new.run_id})], final=True
-    )
+    existing: Rows = []
+    if one_statement:
+        started, existing = yield Round(
+            [("start_run", params), ("get_run", {"run_id": new.run_id})], final=True
+        )
+    else:
+        (started,) = yield Round([("start_run", params)])
+        if started:
+            received = [_event(new.run_id, 1, "run_started", None, event_json)]
+            if receipt is not None:
+                received.append(("insert_checkpoint", receipt))
+            yield Round(received, final=True)
+        else:
+            (existing,) = yield Round([("get_run", {"run_id": new.run_id})], final=True)
     if not started:
         return run_from_row(existing[0]), False, None
     run = run_from_row(started[0])

@@ -41,9 +41,9 @@ class SQLStore(Store):
 
     _data_modifying_with = False
     """Whether the dialect has a data-modifying ``WITH``, and with it ``commit_step``,
-    ``commit_at`` and ``start_run``: a step's commit, a commit at the state its lease holder
-    knows (an effect's, a checkpoint's, an ending) and a new run's start, as one statement
-    each."""
+    ``commit_at`` and a ``start_run`` that also writes the new run's event and receipt: a
+    step's commit, a commit at the state its lease holder knows (an effect's, a
+    checkpoint's, an ending) and a new run's start, as one statement each."""
 
     @abc.abstractmethod
     async def _run(
@@ -83,17 +83,13 @@ class SQLStore(Store):
         self, new: NewRun, owner: str, ttl_s: float
     ) -> tuple[RunRecord, bool, Claim | None]:
         sent_at = time.monotonic()
-        params = {"run_id": new.run_id, "owner": owner, "ttl": ttl_s}
-
-        def plan() -> plans.Plan[tuple[RunRecord, bool, Claim | None]]:
-            if self._data_modifying_with:
-                return plans.start_run_leased(new, owner, ttl_s, sent_at)
-            claim = plans.claim(self._pick("claim_run", params), owner, ttl_s, sent_at)
-            return plans.start_run(new, claim)
-
+        one_statement = self._data_modifying_with
         # Idempotent: a retry after a lost COMMIT finds the run, leased to this owner, whose
         # claim_run then takes it again.
-        return await self._run(plan, idempotent=True)
+        return await self._run(
+            lambda: plans.start_run(new, owner, ttl_s, sent_at, one_statement=one_statement),
+            idempotent=True,
+        )
 
     async def claim_run(self, run_id: str, owner: str, ttl_s: float) -> Claim | None:
         claims = await self._claim("claim_run", {"run_id": run_id}, owner, ttl_s)

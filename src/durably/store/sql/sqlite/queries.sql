@@ -17,6 +17,18 @@ VALUES (:run_id, :tenant, :workflow, :workflow_version, 'queued', :input_json, :
 ON CONFLICT (run_id) DO NOTHING
 RETURNING *;
 
+-- name: start_run
+-- A new run already leased to its creator, as take_lease leaves a claimed run (its receipt
+-- is sealed at state version 1, before the lease); no row if the run id is taken. Its
+-- run_started event and receipt follow in the same transaction.
+INSERT INTO durably_runs (run_id, tenant_id, workflow, workflow_version, status, input_json,
+    input_hash, key_scheme, last_sequence, state_version, lease_owner, lease_until,
+    lease_epoch, available_at, created_at, updated_at)
+VALUES (:run_id, :tenant, :workflow, :workflow_version, 'running', :input_json, :input_hash,
+    :key_scheme, 1, 2, :owner, :now + :ttl, 1, :now, :now, :now)
+ON CONFLICT (run_id) DO NOTHING
+RETURNING *;
+
 -- name: get_run
 -- One run.
 SELECT * FROM durably_runs WHERE run_id = :run_id;
