@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from durably import context, faults, model_calls
+from durably.checkpoint import JournalState
 from durably.definitions import StepDef, WorkflowDef, bind_arguments, invoke
 from durably.effect import compensate
 from durably.errors import (
@@ -216,7 +217,10 @@ async def load_context(engine: Engine, claim: Claim) -> RunContext:
     store = engine.store
     journal = claim.journal or await store.load_journal(claim.run.run_id)
     assert journal is not None, "a claimed run exists"
-    state, corrupted = await verified(store, journal, engine.secret_key)
+    if claim.new:
+        state, corrupted = JournalState(journal.run.run_id, key=engine.secret_key), None
+    else:
+        state, corrupted = await verified(store, journal, engine.secret_key)
     ctx = RunContext(
         engine=engine,
         store=store,

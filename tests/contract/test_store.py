@@ -30,6 +30,7 @@ from durably.store.base import (
     Store,
     Transition,
 )
+from durably.verification import verified
 from tests.conftest import execute_sql
 
 T = TypeVar("T")
@@ -111,6 +112,9 @@ def test_start_run_creates_and_leases_the_run_in_one_transaction(store: Store) -
     # one state version later.
     assert (stored.state_version, stored.last_sequence) == (2, 1)
     assert claim.journal == run(store.load_journal("r1"))
+    # Written by the claim's own transaction: what verifying it would find, it holds.
+    assert claim.new
+    assert run(verified(store, claim.journal, None)) == (JournalState("r1"), None)
     (sealed,) = claim.journal.checkpoints  # the receipt
     assert (sealed.payload["state_version"], sealed.payload["last_event_sequence"]) == (1, 1)
     assert [e.type for e in run(store.events("r1"))] == ["run_started"]
@@ -131,6 +135,7 @@ def test_only_one_owner_claims_a_run(store: Store) -> None:
     run(store.create_run(new_run()))
     first = run(store.claim_run("r1", "w1", 30))
     assert first is not None
+    assert not first.new  # its journal was read back: it is verified
     assert first.run.status is RunStatus.RUNNING
     assert run(store.claim_run("r1", "w2", 30)) is None
     assert run(store.claim_next("w2", 30, ["wf|1"])) is None

@@ -364,6 +364,9 @@ class Claim:
     journal: Journal | None = None
     """The run's journal as the claim's transaction left it (with ``CHECKPOINTS_READ``
     checkpoints): what the new holder resumes from, without a read of its own."""
+    new: bool = False
+    """The claim's own transaction created the run (``start_run``): its journal is what
+    that transaction wrote, not read back, so there is nothing in it to verify."""
 
 
 class Store(abc.ABC):

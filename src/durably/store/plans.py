@@ -171,7 +171,7 @@ def start_run(
     run = run_from_row(started[0])
     lease = Lease(run.run_id, owner, run.lease_epoch, ttl_s)
     journal = _new_journal(run, event_json, receipt)
-    return run, True, Claim(run, lease, recovered=False, sent_at=sent_at, journal=journal)
+    return run, True, Claim(run, lease, False, sent_at=sent_at, journal=journal, new=True)
 
 
 def _new_journal(run: RunRecord, event_json: str, receipt: dict[str, Any] | None) -> Journal:
