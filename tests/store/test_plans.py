@@ -216,54 +216,12 @@ def test_a_released_runnable_run_wakes_workers() -> None:
 def test_a_run_that_starts_waiting_stays_due_if_cancelled_meanwhile() -> None:
     waiting = RunUpdate(RunStatus.WAITING_EXTERNAL, waiting_for={"event": "paid"})
     plan = commit_plan.commit(LEASE, step_commit(run=waiting, wake_on_signal="paid", release=True))
-    assert names(first_round(plan)) == ["fence_lease_update_run"]  # the status rides on it
+    first_round(plan)
     second = plan.send([FENCED])
-    assert names(second)[:3] == [
+    assert names(second)[:4] == [
+        "update_run",
         "pause_if_requested",
         "requeue_if_cancelled",
         "wake_on_signal",
     ]
     assert not second.notify
-
-
-def test_an_ending_writes_the_runs_row_once_and_reads_it_back_from_its_fence() -> None:
-    """A lease holder's new status rides on its fence, whose row is the run as the commit
-    leaves it; a run about to wait is written again after it, so it is read back."""
-    done = RunUpdate(RunStatus.COMPLETED, result_json="1")
-    plan = commit_plan.commit(LEASE, step_commit(run=done, release=True, read_back=True))
-    first = first_round(plan)
-    assert names(first) == ["fence_lease_update_run"]
-    assert first.queries[0][1]["status"] == "completed"
-    row = {**FENCED[0], **_RUN_ROW, "status": "completed", "result_json": "1"}
-    second = plan.send([[row]])
-    assert "update_run" not in names(second)
-    assert "get_run" not in names(second)
-    with pytest.raises(StopIteration) as committed:
-        plan.send([[]] * len(second.queries))
-    assert committed.value.value.run is not None
-    assert committed.value.value.run.status is RunStatus.COMPLETED
-
-    waiting = RunUpdate(RunStatus.WAITING_EXTERNAL, waiting_for={"event": "paid"})
-    plan = commit_plan.commit(LEASE, step_commit(run=waiting, release=True, read_back=True))
-    first_round(plan)
-    assert names(plan.send([[row]]))[-1] == "get_run"
-
-
-_RUN_ROW = {
-    "run_id": "r1",
-    "tenant_id": "default",
-    "workflow": "wf",
-    "workflow_version": "1",
-    "plan_version": 1,
-    "status_reason": None,
-    "input_json": "{}",
-    "input_hash": "h",
-    "error_json": None,
-    "waiting_for_json": None,
-    "lease_owner": None,
-    "lease_epoch": 3,
-    "available_at": 1.0,
-    "created_at": 1.0,
-    "updated_at": 2.0,
-    "key_scheme": 2,
-}

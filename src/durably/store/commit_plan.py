@@ -17,7 +17,6 @@ from durably.store.base import (
     Expect,
     Lease,
     OperationWrite,
-    RunUpdate,
     StepWrite,
     Transition,
 )
@@ -45,19 +44,17 @@ def commit(
     """
     run_id = guard.run_id
     if isinstance(guard, Lease):
-        fenced_lease = {
-            "run_id": run_id,
-            "owner": guard.owner,
-            "epoch": guard.epoch,
-            "ttl": guard.ttl_s,
-            "release": t.release,
-            "events": len(t.events),
-        }
-        if t.run is None:
-            fence: Query = ("fence_lease", fenced_lease)
-        else:
-            # The run's new status rides on its fence: one write of its row, not two.
-            fence = ("fence_lease_update_run", {**fenced_lease, **_run_update(t.run)})
+        fence = (
+            "fence_lease",
+            {
+                "run_id": run_id,
+                "owner": guard.owner,
+                "epoch": guard.epoch,
+                "ttl": guard.ttl_s,
+                "release": t.release,
+                "events": len(t.events),
+            },
+        )
     else:
         fence = (
             "fence_expect",
@@ -116,25 +113,13 @@ def commit(
     runnable = t.run is None or t.run.status in RUNNABLE
     # A released run, or one an operator made runnable, can be claimed at once.
     wake = runnable and (t.release or (isinstance(guard, Expect) and t.run is not None))
-    # The row the fence returned is the run as the commit leaves it, unless a statement
-    # that follows writes it again.
-    read_back = t.read_back and not (fence[0] == "fence_lease_update_run" and _row_final(t))
-    if read_back:
+    if t.read_back:
         following.append(_read_back(run_id))
     answers = yield Round(following, final=True, notify=wake)
     return _committed(
         row,
         None if o is None else 1 if o.expect_row_version is None else o.expect_row_version + 1,
-        answers[-1] if read_back else [row] if t.read_back else None,
-    )
-
-
-def _row_final(t: Transition) -> bool:
-    """Whether no statement of ``t`` after its fence writes the run's row."""
-    return (
-        (t.run is None or t.run.status not in WAITING)
-        and t.plan_version is None
-        and t.wake_on_signal is None
+        answers[-1] if t.read_back else None,
     )
 
 
@@ -359,8 +344,18 @@ def _following(
     rest: list[Query] = []
     if t.run is not None:
         u = t.run
-        if isinstance(guard, Expect):  # a lease holder's fence wrote it
-            rest.append(("update_run", {**_run_update(u), "run_id": run_id}))
+        rest.append(
+            (
+                "update_run",
+                {
+                    **vars(u),
+                    "run_id": run_id,
+                    "status": u.status.value,
+                    "error_json": json_or_none(u.error),
+                    "waiting_for_json": json_or_none(u.waiting_for),
+                },
+            )
+        )
         if u.status in WAITING:
             # Neither a pause nor a cancel requested while the run was still executing may
             # be lost behind a wait: it pauses now, or stays due and its next execution
@@ -388,16 +383,6 @@ def _following(
         if t.checkpoint.prune:
             rest.append(("prune_checkpoints", {"run_id": run_id, "keep": CHECKPOINTS_KEPT}))
     return rest
-
-
-def _run_update(u: RunUpdate) -> dict[str, Any]:
-    """``update_run``'s parameters, but the run id."""
-    return {
-        **vars(u),
-        "status": u.status.value,
-        "error_json": json_or_none(u.error),
-        "waiting_for_json": json_or_none(u.waiting_for),
-    }
 
 
 def _operation(guard: Lease | Expect, o: OperationWrite) -> Query:

@@ -144,19 +144,6 @@ WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)
 RETURNING last_sequence, state_version, lease_until, cancel_requested,
     pause_requested;
 
--- name: fence_lease_update_run
--- fence_lease and update_run as one write of the run's row; the whole row as it leaves it.
-UPDATE durably_runs SET last_sequence = last_sequence + %(events)s,
-    state_version = state_version + 1,
-    lease_until = CASE WHEN %(release)s THEN NULL ELSE extract(epoch FROM now()) + %(ttl)s END,
-    lease_owner = CASE WHEN %(release)s THEN NULL ELSE lease_owner END,
-    updated_at = extract(epoch FROM now()), status = %(status)s,
-    status_reason = %(status_reason)s, result_json = coalesce(%(result_json)s, result_json),
-    error_json = %(error_json)s, waiting_for_json = %(waiting_for_json)s,
-    available_at = coalesce(%(available_at)s, available_at)
-WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
-RETURNING *;
-
 -- name: fence_expect
 -- The fence of an operator's commit: no row unless the run is unchanged and unheld.
 UPDATE durably_runs SET last_sequence = last_sequence + %(events)s,

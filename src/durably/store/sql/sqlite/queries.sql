@@ -106,18 +106,6 @@ WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoch = :epoch
 RETURNING last_sequence, state_version, lease_until, cancel_requested,
     pause_requested;
 
--- name: fence_lease_update_run
--- fence_lease and update_run as one write of the run's row; the whole row as it leaves it.
-UPDATE durably_runs SET last_sequence = last_sequence + :events,
-    state_version = state_version + 1,
-    lease_until = CASE WHEN :release THEN NULL ELSE :now + :ttl END,
-    lease_owner = CASE WHEN :release THEN NULL ELSE lease_owner END,
-    updated_at = :now, status = :status, status_reason = :status_reason,
-    result_json = coalesce(:result_json, result_json), error_json = :error_json,
-    waiting_for_json = :waiting_for_json, available_at = coalesce(:available_at, available_at)
-WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoch = :epoch
-RETURNING *;
-
 -- name: fence_expect
 -- The fence of an operator's commit: no row unless the run is unchanged and unheld.
 UPDATE durably_runs SET last_sequence = last_sequence + :events,
