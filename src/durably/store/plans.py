@@ -78,10 +78,6 @@ def insert_event(
     run_id: str, sequence: int, type_: str, step_id: str | None, payload: dict[str, Any]
 ) -> Query:
     """One event of the run's log at ``sequence``, as a query."""
-    return _event(run_id, sequence, type_, step_id, plain_json(payload))
-
-
-def _event(run_id: str, sequence: int, type_: str, step_id: str | None, payload_json: str) -> Query:
     return (
         "insert_event",
         {
@@ -89,7 +85,7 @@ def _event(run_id: str, sequence: int, type_: str, step_id: str | None, payload_
             "sequence": sequence,
             "type": type_,
             "step_id": step_id,
-            "payload_json": payload_json,
+            "payload_json": plain_json(payload),
         },
     )
 
@@ -122,7 +118,7 @@ def create_run(new: NewRun) -> Plan[tuple[RunRecord, bool]]:
     read the existing one."""
     (inserted,) = yield Round([("insert_run", vars(new))])
     if inserted:
-        yield Round(_received(new, inserted[0]), final=True, notify=True)
+        yield Round(_received(new, inserted[0]["state_version"]), final=True, notify=True)
         return run_from_row(inserted[0]), True
     (existing,) = yield Round([("get_run", {"run_id": new.run_id})], final=True)
     return run_from_row(existing[0]), False
@@ -138,10 +134,10 @@ def start_run(
     ``one_statement``: the backend's ``start_run`` also writes the run's event and receipt
     (a data-modifying ``WITH``), so the whole start is one round.
     """
-    receipt: dict[str, Any] | None = None
-    if new.receipt is not None:
-        receipt = insert_checkpoint(new.receipt, 1, 1)[1]
-    event_json = plain_json(_started(new))
+    # What create_run writes, its receipt sealed at the state before the lease.
+    received = _received(new, 1)
+    event_json = received[0][1]["payload_json"]
+    receipt = received[1][1] if len(received) > 1 else None
     params = {
         **vars(new),
         "owner": owner,
@@ -160,9 +156,6 @@ def start_run(
     else:
         (started,) = yield Round([("start_run", params)])
         if started:
-            received = [_event(new.run_id, 1, "run_started", None, event_json)]
-            if receipt is not None:
-                received.append(("insert_checkpoint", receipt))
             yield Round(received, final=True)
         else:
             (existing,) = yield Round([("get_run", {"run_id": new.run_id})], final=True)
@@ -206,12 +199,13 @@ def _started(new: NewRun) -> dict[str, Any]:
     return {"workflow": new.workflow, "version": new.workflow_version}
 
 
-def _received(new: NewRun, inserted: Row) -> list[Query]:
-    """A new run's ``run_started`` event and its receipt checkpoint."""
+def _received(new: NewRun, state_version: int) -> list[Query]:
+    """A new run's ``run_started`` event and its receipt checkpoint, sealed at
+    ``state_version``."""
     queries = [insert_event(new.run_id, 1, "run_started", None, _started(new))]
     if new.receipt is not None:
         # The task is received: a recoverable boundary before anything runs.
-        queries.append(insert_checkpoint(new.receipt, inserted["state_version"], 1))
+        queries.append(insert_checkpoint(new.receipt, state_version, 1))
     return queries
 
 
