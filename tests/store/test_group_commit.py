@@ -44,6 +44,28 @@ def test_writes_made_at_the_same_moment_share_one_transaction(tmp_path: Path) ->
     assert commits == ["COMMIT"]
 
 
+def test_writes_queued_a_few_passes_apart_share_one_transaction(tmp_path: Path) -> None:
+    """Runs woken a pass or two apart (one finishing a run, one starting a step) still
+    share a batch: the flush waits while other callbacks are ready to run."""
+    commits: list[str] = []
+
+    async def main() -> None:
+        store, leases = await open_with_runs(tmp_path / "g.db", 3)
+
+        async def commit_after(passes: int, lease: Lease) -> None:
+            for _ in range(passes):
+                await asyncio.sleep(0)
+            await store.commit(lease, Transition(events=[EventWrite("x")]))
+
+        store._conn.set_trace_callback(lambda sql: sql == "COMMIT" and commits.append(sql))
+        await asyncio.gather(*(commit_after(i, lease) for i, lease in enumerate(leases)))
+        store._conn.set_trace_callback(None)
+        await store.close()
+
+    asyncio.run(main())
+    assert commits == ["COMMIT"]
+
+
 def test_a_write_cancelled_while_queued_is_withdrawn(tmp_path: Path) -> None:
     async def main() -> list[str]:
         store, (lease,) = await open_with_runs(tmp_path / "g.db", 1)
@@ -70,9 +92,12 @@ def test_a_write_whose_batch_ran_is_reported_then_cancelled(tmp_path: Path) -> N
             await asyncio.sleep(1)
             seen.append("never: cancelled at its next await")
 
+        commits: list[str] = []
+        store._conn.set_trace_callback(lambda sql: sql == "COMMIT" and commits.append(sql))
         task = asyncio.ensure_future(commit_then_continue())
-        await asyncio.sleep(0)  # the task queued its write
-        await asyncio.sleep(0)  # the batch ran; the task has not resumed yet
+        while not commits:
+            await asyncio.sleep(0)
+        assert seen == []  # the batch ran; the task has not resumed yet
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
