@@ -41,9 +41,15 @@ Effects, waits and endings are always checkpointed. With the App's secret every 
 the event log is not sealed, and a forger could rewrite a result and its event together."""
 
 CHECKPOINTS_KEPT = 3
-"""Checkpoints a run keeps once a periodic or final one is written; older ones are pruned.
-Recovery anchors on the newest that holds (the event log verifies everything after it, and
-everything, if none holds), and the event log is the audit trail: it is never pruned."""
+"""Checkpoints a run keeps when older ones are pruned. Recovery anchors on the newest that
+holds (the event log verifies everything after it, and everything, if none holds), and the
+event log is the audit trail: it is never pruned."""
+
+PRUNE_EVERY = 8
+"""Checkpoints drafted between two that prune: a run's every effect, wait and sealed result
+is checkpointed, and a delete with each would cost a statement more per commit. A run
+holds at most ``CHECKPOINTS_KEPT + PRUNE_EVERY`` checkpoints more than its crashed or
+released executions left unpruned, and its ending prunes."""
 
 SEALED = "hmac-sha256:"
 """Prefix of a checksum keyed with the App's secret; a plain checksum is bare sha256 hex."""
@@ -196,6 +202,10 @@ class JournalState:
     """The App's secret, which seals the checkpoints drafted from here (None: plain)."""
     unchecked: int = 0
     """Results settled since the last checkpoint drafted."""
+    unpruned: int = field(default=0, compare=False)
+    """Checkpoints drafted since the last that pruned (see :data:`PRUNE_EVERY`). It starts
+    at 0 in every execution: its first checkpoints never delete what an earlier execution
+    left, such as the checkpoints a ``checkpoint_corrupted`` event has just reported."""
 
     def copy(self) -> JournalState:
         """A copy to go back to if a commit is refused. Shallow, as ``dataclasses.replace``
@@ -225,8 +235,11 @@ class JournalState:
         prune: bool = False,
     ) -> CheckpointDraft:
         """The next checkpoint; ``prune``: it replaces all but the newest
-        :data:`CHECKPOINTS_KEPT` of the run's checkpoints."""
+        :data:`CHECKPOINTS_KEPT` of the run's checkpoints, as every :data:`PRUNE_EVERY`-th
+        does anyway."""
         self.unchecked = 0
+        prune = prune or self.unpruned >= PRUNE_EVERY
+        self.unpruned = 0 if prune else self.unpruned + 1
         return CheckpointDraft(
             run_id=self.run_id,
             current_step=current_step,
@@ -244,7 +257,7 @@ class JournalState:
         :data:`CHECKPOINT_EVERY`): most step commits write no checkpoint."""
         if self.unchecked < (1 if self.key else CHECKPOINT_EVERY):
             return None
-        return self.draft(status=RunStatus.RUNNING, current_step=current_step, prune=True)
+        return self.draft(status=RunStatus.RUNNING, current_step=current_step)
 
 
 @dataclass(frozen=True)

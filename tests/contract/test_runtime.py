@@ -14,6 +14,7 @@ import pytest
 
 import durably
 from durably import FailureCategory, Reconciliation, RetryPolicy, RunStatus
+from durably.checkpoint import CHECKPOINTS_KEPT, PRUNE_EVERY
 from tests.conftest import execute_sql, fetch_sql
 
 MakeApp = Callable[..., durably.App]
@@ -608,6 +609,43 @@ def test_checkpoints_carry_every_field(make_app: MakeApp) -> None:
     intent = payloads[-1]
     assert intent["pending_action"]["step_id"] == "t#1"
     assert json.dumps(payloads)  # everything is JSON
+
+
+@pytest.mark.parametrize("secret_key", [None, b"k" * 32], ids=["plain", "sealed"])
+def test_a_long_run_keeps_a_bounded_number_of_checkpoints_as_it_goes(
+    make_app: MakeApp, database_url: str, secret_key: bytes | None
+) -> None:
+    """Every effect is checkpointed twice (its intent and its result), every sealed step's
+    result once: a run of many of them prunes as it goes, not only when it ends."""
+    app = make_app(secret_key=secret_key)
+    held: list[int] = []
+
+    def count(run_id: str) -> int:
+        ((n,),) = fetch_sql(
+            database_url, "SELECT count(*) FROM durably_checkpoints WHERE run_id = ?", (run_id,)
+        )
+        return int(n)
+
+    @app.tool(idempotent=True)
+    def send(i: int) -> int:
+        held.append(count(durably.current_run().run_id))
+        return i
+
+    @app.step()
+    def add(i: int) -> int:
+        return i
+
+    @app.workflow()
+    async def wf(n: int) -> int:
+        total = 0
+        for i in range(n):
+            total += await send(i) + await add(i)
+        return total
+
+    run = app.run(wf, 40)
+    assert run.result == 2 * sum(range(40))
+    assert CHECKPOINTS_KEPT < max(held) <= CHECKPOINTS_KEPT + PRUNE_EVERY
+    assert count(run.run_id) == CHECKPOINTS_KEPT
 
 
 def test_a_run_that_moved_after_its_last_commit_ends_sealed_where_it_really_is(
