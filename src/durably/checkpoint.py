@@ -48,8 +48,8 @@ event log is the audit trail: it is never pruned."""
 PRUNE_EVERY = 8
 """Checkpoints drafted between two that prune: a run's every effect, wait and sealed result
 is checkpointed, and a delete with each would cost a statement more per commit. A run
-holds at most ``CHECKPOINTS_KEPT + PRUNE_EVERY`` checkpoints more than its crashed or
-released executions left unpruned, and its ending prunes."""
+holds at most ``CHECKPOINTS_KEPT + PRUNE_EVERY`` checkpoints once an execution's first
+one is written (that one prunes), and its ending prunes."""
 
 SEALED = "hmac-sha256:"
 """Prefix of a checksum keyed with the App's secret; a plain checksum is bare sha256 hex."""
@@ -203,9 +203,9 @@ class JournalState:
     unchecked: int = 0
     """Results settled since the last checkpoint drafted."""
     unpruned: int = field(default=0, compare=False)
-    """Checkpoints drafted since the last that pruned (see :data:`PRUNE_EVERY`). It starts
-    at 0 in every execution: its first checkpoints never delete what an earlier execution
-    left, such as the checkpoints a ``checkpoint_corrupted`` event has just reported."""
+    """Checkpoints drafted since the last that pruned (see :data:`PRUNE_EVERY`). An
+    execution of a run read back from the store starts at ``PRUNE_EVERY`` (what earlier
+    executions left is not known), unless it has just reported checkpoints as corrupted."""
 
     def copy(self) -> JournalState:
         """A copy to go back to if a commit is refused. Shallow, as ``dataclasses.replace``

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from durably import context, faults, model_calls
-from durably.checkpoint import JournalState
+from durably.checkpoint import PRUNE_EVERY, JournalState
 from durably.definitions import StepDef, WorkflowDef, bind_arguments, invoke
 from durably.effect import compensate
 from durably.errors import (
@@ -221,6 +221,11 @@ async def load_context(engine: Engine, claim: Claim) -> RunContext:
         state, corrupted = JournalState(journal.run.run_id, key=engine.secret_key), None
     else:
         state, corrupted = await verified(store, journal, engine.secret_key)
+        if corrupted is None:
+            # Earlier executions (a wait, a crash, a release each end one) may have left up
+            # to PRUNE_EVERY checkpoints unpruned: the first checkpoint of this one prunes.
+            # Not after a checkpoint_corrupted report, whose evidence stays.
+            state.unpruned = PRUNE_EVERY
     ctx = RunContext(
         engine=engine,
         store=store,

@@ -612,11 +612,13 @@ def test_checkpoints_carry_every_field(make_app: MakeApp) -> None:
 
 
 @pytest.mark.parametrize("secret_key", [None, b"k" * 32], ids=["plain", "sealed"])
+@pytest.mark.parametrize("waits", [False, True], ids=["one-execution", "sleeps-between"])
 def test_a_long_run_keeps_a_bounded_number_of_checkpoints_as_it_goes(
-    make_app: MakeApp, database_url: str, secret_key: bytes | None
+    make_app: MakeApp, database_url: str, secret_key: bytes | None, waits: bool
 ) -> None:
     """Every effect is checkpointed twice (its intent and its result), every sealed step's
-    result once: a run of many of them prunes as it goes, not only when it ends."""
+    result once: a run of many of them prunes as it goes, not only when it ends, also when
+    each of its executions is short (a sleep between calls ends one)."""
     app = make_app(secret_key=secret_key)
     held: list[int] = []
 
@@ -633,6 +635,7 @@ def test_a_long_run_keeps_a_bounded_number_of_checkpoints_as_it_goes(
 
     @app.step()
     def add(i: int) -> int:
+        held.append(count(durably.current_run().run_id))
         return i
 
     @app.workflow()
@@ -640,11 +643,21 @@ def test_a_long_run_keeps_a_bounded_number_of_checkpoints_as_it_goes(
         total = 0
         for i in range(n):
             total += await send(i) + await add(i)
+            if waits:
+                await durably.sleep(0.001)
         return total
 
-    run = app.run(wf, 40)
-    assert run.result == 2 * sum(range(40))
-    assert CHECKPOINTS_KEPT < max(held) <= CHECKPOINTS_KEPT + PRUNE_EVERY
+    calls = 20 if waits else 40
+    run = app.run(wf, calls)
+    deadline = time.monotonic() + 60
+    while run.status is not RunStatus.COMPLETED:
+        assert run.status is RunStatus.WAITING_EXTERNAL, run
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+        app.worker().run(until_idle=True)
+        run = app.get_run(run.run_id)
+    assert run.result == 2 * sum(range(calls))
+    assert CHECKPOINTS_KEPT < max(held) <= CHECKPOINTS_KEPT + PRUNE_EVERY, held
     assert count(run.run_id) == CHECKPOINTS_KEPT
 
 

@@ -375,7 +375,7 @@ def _journal(answers: list[Rows]) -> Journal | None:
         return None
     return Journal(
         run=run_from_row(run[0]),
-        steps=[step_from_row(r) for r in steps],
+        steps=sorted((step_from_row(r) for r in steps), key=lambda s: s.position),
         operations=[operation_from_row(r) for r in ops],
         checkpoints=[checkpoint_from_row(r) for r in cps],
         signals=[signal_from_row(r) for r in signals],

@@ -23,7 +23,8 @@ _SETTINGS = (
     # Every RETURNING, and every IN list of more than two values (the status CHECKs, the
     # runnable index), builds a scratch table each time its statement runs. Backed by a
     # temporary file's pager, that cost 15-70 µs a statement, a third of a run's SQL; in
-    # memory, a few. durably's own scratch tables stay small: a row, a list, a page of runs.
+    # memory, a few. It also keeps sorts in memory: no query sorts an unbounded set but
+    # the ledger's figures, which set it back for their read (SQLiteStore._ledger_rows).
     "PRAGMA temp_store=MEMORY",
 )
 

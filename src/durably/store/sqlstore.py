@@ -181,7 +181,7 @@ class SQLStore(Store):
         unresolved: dict[str, tuple[int, float]] = {}
         duplicates: dict[str, int] = {}
         totals: dict[str, int] = {}
-        for r in await self._one("ledger_figures", {}):
+        for r in await self._ledger_rows():
             figure, label, n = r["figure"], r["label"], int(r["n"] or 0)
             if figure == "unresolved":
                 unresolved[label] = (n, float(r["since"]))
@@ -195,6 +195,9 @@ class SQLStore(Store):
             replays_blocked=totals.get("replays_blocked", 0),
             approvals_expired=totals.get("approvals_expired", 0),
         )
+
+    async def _ledger_rows(self) -> Rows:
+        return await self._one("ledger_figures", {})
 
     async def undelivered(
         self, consumer: str, limit: int, *, skip_runs: Sequence[str] = ()

@@ -491,8 +491,8 @@ WHERE run_id = %(run_id)s
 RETURNING *;
 
 -- name: steps
--- The run's step ledger in call order.
-SELECT * FROM durably_steps WHERE run_id = %(run_id)s ORDER BY position;
+-- The run's step ledger, sorted into call order by the caller (as on SQLite).
+SELECT * FROM durably_steps WHERE run_id = %(run_id)s;
 
 -- name: operations
 -- The run's tool operations, found through its steps' idempotency keys.

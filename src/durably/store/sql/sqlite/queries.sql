@@ -314,8 +314,9 @@ WHERE run_id = :run_id
 RETURNING *;
 
 -- name: steps
--- The run's step ledger in call order.
-SELECT * FROM durably_steps WHERE run_id = :run_id ORDER BY position;
+-- The run's step ledger, sorted into call order by the caller: no index holds that order,
+-- and SQLite would sort the rows, results and all, in memory (temp_store=MEMORY).
+SELECT * FROM durably_steps WHERE run_id = :run_id;
 
 -- name: operations
 -- The run's tool operations, found through its steps' idempotency keys.
