@@ -661,6 +661,35 @@ def test_a_long_run_keeps_a_bounded_number_of_checkpoints_as_it_goes(
     assert count(run.run_id) == CHECKPOINTS_KEPT
 
 
+def test_a_runs_steps_are_described_in_call_order(make_app: MakeApp) -> None:
+    """The store reads a run's steps unordered (no index holds their order): the journal
+    sorts them by position, not by step id, where "x#10" comes before "x#2"."""
+    app = make_app()
+
+    @app.step()
+    def b() -> int:
+        return 1
+
+    @app.step()
+    def a() -> int:
+        return 1
+
+    @app.step()
+    def x(i: int) -> int:
+        return i
+
+    @app.workflow()
+    async def wf() -> int:
+        total = await b() + await a()
+        for i in range(12):
+            total += await x(i)
+        return total
+
+    run = app.run(wf)
+    called = ["b#1", "a#1", *(f"x#{i}" for i in range(1, 13))]
+    assert [s["step_id"] for s in app.describe(run.run_id)["steps"]] == called
+
+
 def test_a_run_that_moved_after_its_last_commit_ends_sealed_where_it_really_is(
     make_app: MakeApp, database_url: str
 ) -> None:
