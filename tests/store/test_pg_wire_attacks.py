@@ -12,6 +12,8 @@ import decimal
 import gc
 import logging
 import random
+import statistics
+import time
 import uuid
 import weakref
 from typing import Any
@@ -130,22 +132,31 @@ def test_rounds_cancelled_anywhere_leave_only_clean_connections_in_the_pool(
     begin, commit = statement("BEGIN"), statement("COMMIT")
 
     async def body(pool: AsyncConnectionPool[Conn]) -> None:
-        async def transaction(n: int) -> None:
+        async def transaction(n: int, pause_s: float) -> None:
             async with pool.connection() as db:
                 await send_round(
                     db,
                     [
                         (begin, None),
                         (INSERT, {"id": n, "v": "a"}),
-                        (SLEEP, {"s": rng.random() / 500}),
+                        (SLEEP, {"s": pause_s}),
                     ],
                 )
                 await send_round(db, [(UPDATE, {"v": "b", "id": n}), (commit, None)])
 
+        # Timeouts up to twice a whole transaction's time on this machine, so that about
+        # as many land inside one as after it, however fast the machine and its server.
+        took = []
+        for n in range(1000, 1005):
+            started = time.perf_counter()
+            await transaction(n, 0.001)
+            took.append(time.perf_counter() - started)
+        longest_s = 2 * statistics.median(took)
+
         cut = 0
         for n in range(300):
             try:
-                await asyncio.wait_for(transaction(n), rng.random() / 200)
+                await asyncio.wait_for(transaction(n, rng.random() / 500), rng.random() * longest_s)
             except TimeoutError:
                 cut += 1
             async with pool.connection() as db:
