@@ -44,13 +44,12 @@ def test_writes_made_at_the_same_moment_share_one_transaction(tmp_path: Path) ->
     assert commits == ["COMMIT"]
 
 
-def test_writes_queued_a_few_passes_apart_share_one_transaction(tmp_path: Path) -> None:
-    """Runs woken a pass or two apart (one finishing a run, one starting a step) still
-    share a batch: the flush waits while other callbacks are ready to run."""
+def commits_of_writes_passes_apart(path: Path, count: int) -> list[str]:
+    """The COMMITs of ``count`` runs' writes, the i-th queued i passes of the loop late."""
     commits: list[str] = []
 
     async def main() -> None:
-        store, leases = await open_with_runs(tmp_path / "g.db", 3)
+        store, leases = await open_with_runs(path, count)
 
         async def commit_after(passes: int, lease: Lease) -> None:
             for _ in range(passes):
@@ -63,58 +62,19 @@ def test_writes_queued_a_few_passes_apart_share_one_transaction(tmp_path: Path) 
         await store.close()
 
     asyncio.run(main())
-    assert commits == ["COMMIT"]
+    return commits
+
+
+def test_writes_queued_a_few_passes_apart_share_one_transaction(tmp_path: Path) -> None:
+    """Runs woken a pass or two apart (one finishing a run, one starting a step) still
+    share a batch: the flush waits while other callbacks are ready to run."""
+    assert commits_of_writes_passes_apart(tmp_path / "g.db", 3) == ["COMMIT"]
 
 
 def test_a_batch_waits_as_long_as_writes_keep_joining_and_no_longer(tmp_path: Path) -> None:
     """Many runs reach their writes over many passes (64 runs at once): the flush waits
-    while a write joins every few passes, up to 64 passes; then the rest go next."""
-    commits: list[str] = []
-
-    async def main() -> None:
-        store, leases = await open_with_runs(tmp_path / "g.db", 80)
-
-        async def commit_after(passes: int, lease: Lease) -> None:
-            for _ in range(passes):
-                await asyncio.sleep(0)
-            await store.commit(lease, Transition(events=[EventWrite("x")]))
-
-        store._conn.set_trace_callback(lambda sql: sql == "COMMIT" and commits.append(sql))
-        # One write joins every pass, for 80 passes.
-        await asyncio.gather(*(commit_after(i, lease) for i, lease in enumerate(leases)))
-        store._conn.set_trace_callback(None)
-        await store.close()
-
-    asyncio.run(main())
-    assert commits == ["COMMIT", "COMMIT"]
-
-
-def test_a_loop_busy_with_other_work_holds_a_write_up_a_few_passes(tmp_path: Path) -> None:
-    """Callbacks always ready to run, but no other write joining: the flush waits three
-    passes for one, no more."""
-
-    async def main() -> int:
-        store, (lease,) = await open_with_runs(tmp_path / "g.db", 1)
-        spins = 0
-        stop = False
-
-        async def spin() -> None:
-            nonlocal spins
-            while not stop:
-                spins += 1
-                await asyncio.sleep(0)
-
-        spinner = asyncio.ensure_future(spin())
-        await asyncio.sleep(0)
-        before = spins
-        await store.commit(lease, Transition(events=[EventWrite("x")]))
-        held = spins - before
-        stop = True
-        await spinner
-        await store.close()
-        return held
-
-    assert asyncio.run(main()) <= 5
+    while writes keep joining, up to 64 passes; the writes after those go next."""
+    assert commits_of_writes_passes_apart(tmp_path / "g.db", 80) == ["COMMIT", "COMMIT"]
 
 
 def test_a_write_cancelled_while_queued_is_withdrawn(tmp_path: Path) -> None:

@@ -60,6 +60,26 @@ def test_writes_made_at_the_same_moment_share_one_transaction(postgres_schema: s
     assert len({r[1] for r in rows}) == 1
 
 
+def test_writes_queued_many_passes_apart_share_one_transaction(postgres_schema: str) -> None:
+    """Runs reaching their writes over many passes of the event loop (many runs at once, each
+    a few passes from one write to its next) still share one round."""
+
+    async def main() -> None:
+        async with store_with_runs(postgres_schema, 12) as (store, leases):
+
+            async def commit_after(passes: int, lease: Lease) -> None:
+                for _ in range(passes):
+                    await asyncio.sleep(0)
+                await store.commit(lease, step("x"))
+
+            await asyncio.gather(*(commit_after(2 * i, lease) for i, lease in enumerate(leases)))
+
+    asyncio.run(main())
+    rows = sql(postgres_schema, "SELECT run_id, xmin::text FROM durably_events WHERE type = 'x'")
+    assert len(rows) == 12
+    assert len({r[1] for r in rows}) == 1
+
+
 def test_a_write_the_server_refuses_fails_alone(postgres_schema: str) -> None:
     async def main() -> list[object]:
         async with store_with_runs(postgres_schema, 4) as (store, leases):

@@ -4,8 +4,8 @@ the same moment go out as one round — one round trip, one transaction, one WAL
 A write of one round (a step's commit, an effect's, an ending, a new run's start) refuses
 by matching no row, never by failing, so the writes of many runs can share one implicit
 transaction and each still reads only its own statements' rows. The first write becomes
-the round's leader: it lets every task already woken take its turn (one pass of the event
-loop), and the writes queued meanwhile join its round. Alone, it sends its own round, as
+the round's leader: it lets every task already woken take its turn, and waits while writes
+keep joining (see :mod:`.gathering`); they go in its round. Alone, it sends its own round, as
 if there were no grouping. While a shared round is on its way, the writes that come
 meanwhile gather for the next one, sent as soon as it lands (as a database's own group
 commit waits for the flush in progress): under load the rounds grow rather than multiply.
@@ -32,6 +32,7 @@ from typing import Any
 import psycopg
 
 from durably.errors import StoreUnavailable
+from durably.store.gathering import gathered
 from durably.store.plans import Plan, Query, Round, Rows
 
 HELD_UP_S = 0.005
@@ -108,7 +109,7 @@ class Gathering:
             loop.call_later(HELD_UP_S, self._go_if_waiting, loop, joining)
             return await self._outcome(me, joining)
         try:
-            await asyncio.sleep(0)  # every task already woken queues its write first
+            await gathered(joining)  # every task already woken queues its write first
         except asyncio.CancelledError:
             others = self._joining.pop(loop)[1:]
             if others:

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 
 from durably.errors import ConfigurationError, StoreUnavailable
 from durably.store.base import shown_url
+from durably.store.gathering import waits
 from durably.store.migrations import Migrator, split_statements
 from durably.store.plans import Plan, Query, Round, Rows
 from durably.store.queries import numbered, queries
@@ -37,10 +38,6 @@ T = TypeVar("T")
 # sqlite3 raises the base DatabaseError itself for a damaged file ("database disk image is
 # malformed"); its subclasses other than OperationalError are about the statement.
 _OUTAGES = (sqlite3.OperationalError, sqlite3.DatabaseError)
-_GATHER_QUIET_PASSES = 3
-"""How many passes of the event loop in a row a group commit waits for a write to join."""
-_GATHER_MAX_PASSES = 64
-"""How many passes of the event loop a group commit waits at most."""
 _PLACEHOLDER = re.compile(r"(?<![:\w]):(\w+)")
 
 
@@ -217,23 +214,16 @@ class SQLiteStore(SQLStore):
             return done.result()
 
     def _flush(
-        self, loop: asyncio.AbstractEventLoop, passes: int = 0, quiet: int = 0, seen: int = 1
+        self, loop: asyncio.AbstractEventLoop, passes: int = 0, quiet: int = 0, seen: int = 0
     ) -> None:
         # Runs woken one pass apart would otherwise commit in batches of their own forever
-        # (each batch's answers wake its runs a pass after the other's): while callbacks
-        # are still waiting to run, and writes keep joining, the flush waits more passes
-        # for what they queue. A run takes a few passes from one write to its next, so a
-        # few passes with none joining are waited out; a loop kept busy by anything else
-        # holds a write up for no more than those few. With 16 runs at once, a batch held
-        # 6 writes when it waited no pass, 13 after 3 passes, all 16 this way; with 64,
-        # 22 after 3 passes and all 64 this way. A loop with no ready queue to look at
-        # (not asyncio's own) flushes at once.
-        if passes < _GATHER_MAX_PASSES and getattr(loop, "_ready", None):
-            queued = len(self._pending.get(loop, ()))
-            quiet = 0 if queued > seen else quiet + 1
-            if quiet < _GATHER_QUIET_PASSES:
-                loop.call_soon(self._flush, loop, passes + 1, quiet, queued)
-                return
+        # (each batch's answers wake its runs a pass after the other's): the flush waits
+        # while writes keep joining (see store.gathering).
+        queued = len(self._pending.get(loop, ()))
+        quiet = 0 if queued > seen else quiet + 1
+        if waits(loop, passes + 1, quiet):
+            loop.call_soon(self._flush, loop, passes + 1, quiet, queued)
+            return
         batch = [(plan, done) for plan, done in self._pending.pop(loop, []) if not done.done()]
         if len(batch) == 1:
             plan, done = batch[0]
