@@ -8,7 +8,6 @@ the recorded result instead of running, so the code between calls must be determ
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Coroutine
@@ -34,7 +33,7 @@ from durably.errors import (
     StoreUnavailable,
 )
 from durably.execution import Cancel, RunContext, Suspend, ending, error_dict
-from durably.keys import canonical_json, input_hash, sha256_hex
+from durably.keys import canonical_json, input_hash, json_value, sha256_hex
 from durably.status import OperationStatus, PauseReason, RunStatus, StepStatus
 from durably.store.base import (
     Claim,
@@ -99,7 +98,7 @@ class StepCall:
         ctx.started(self.step_id)
         recorded = ctx.steps.get(self.step_id)
         if recorded is not None and recorded.status is StepStatus.SUCCEEDED:
-            value = json.loads(recorded.output_json or "null")
+            value = json_value(recorded.output_json or "null")
             await self._charge(recorded.model_call)
             return value
         if recorded is not None and recorded.status is StepStatus.FAILED:

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from durably.keys import json_value
 from durably.status import OperationStatus, RunStatus, StepStatus
 from durably.store.base import (
     Approval,
@@ -21,7 +21,7 @@ Row = Any
 
 
 def loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
+    return None if text is None else json_value(text)
 
 
 def run_from_row(r: Row) -> RunRecord:
