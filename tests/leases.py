@@ -1,4 +1,5 @@
-"""What a recovering test process waits for before it takes a crashed run over."""
+"""Leases in tests: runs held by a worker, and what a recovering test process waits for
+before it takes a crashed run over."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import time
 
 import durably
+from durably.store.base import Lease, NewRun, Store
 
 LEASE_WAIT_S = 15.0
 
@@ -23,3 +25,14 @@ async def wait_for_lease(app: durably.App, run_id: str) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"the lease on {run_id} did not expire within {LEASE_WAIT_S} s")
         await asyncio.sleep(0.02)
+
+
+async def held_runs(store: Store, count: int) -> list[Lease]:
+    """The leases of ``count`` new runs, ``r0`` onwards, each claimed by worker ``w1``."""
+    leases = []
+    for i in range(count):
+        await store.create_run(NewRun(f"r{i}", "default", "wf", "1", {}, "{}", "h", 2))
+        claim = await store.claim_run(f"r{i}", "w1", 30)
+        assert claim is not None
+        leases.append(claim.lease)
+    return leases

@@ -10,21 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from durably.store.base import EventWrite, Lease, NewRun, Transition
+from durably.store.base import EventWrite, Lease, Transition
 from durably.store.sqlite import SQLiteStore
+from tests.leases import held_runs
 
 
 async def open_with_runs(path: Path, count: int) -> tuple[SQLiteStore, list[Lease]]:
     store = SQLiteStore(f"sqlite:///{path}")
     await store.migrate()
-    leases = []
-    for i in range(count):
-        run_id = f"r{i}"
-        await store.create_run(NewRun(run_id, "default", "wf", "1", {}, "{}", "h", 2))
-        claim = await store.claim_run(run_id, "w1", 30)
-        assert claim is not None
-        leases.append(claim.lease)
-    return store, leases
+    return store, await held_runs(store, count)
 
 
 def test_writes_made_at_the_same_moment_share_one_transaction(tmp_path: Path) -> None:

@@ -15,9 +15,10 @@ import psycopg
 import pytest
 
 from durably.errors import InvalidTransition
-from durably.store.base import EventWrite, Lease, NewRun, Transition
+from durably.store.base import EventWrite, Lease, Transition
 from durably.store.postgres import PostgresStore
 from tests.conftest import postgres_schema_url
+from tests.leases import held_runs
 
 
 @asynccontextmanager
@@ -26,12 +27,7 @@ async def store_with_runs(
 ) -> AsyncIterator[tuple[PostgresStore, list[Lease]]]:
     store = PostgresStore(postgres_schema_url(schema))
     await store.migrate()
-    leases = []
-    for i in range(count):
-        await store.create_run(NewRun(f"r{i}", "default", "wf", "1", {}, "{}", "h", 2))
-        claim = await store.claim_run(f"r{i}", "w1", 30)
-        assert claim is not None
-        leases.append(claim.lease)
+    leases = await held_runs(store, count)
     try:
         yield store, leases
     finally:
