@@ -17,6 +17,8 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 # call and costs more than encoding a step's small value. No circular check (markers None):
 # durably's own values have no cycles, and a caller's cycle recurses until RecursionError,
 # which canonical_json reports. An encoder keeps no state between calls (thread-safe).
+# c_make_encoder takes (markers, default, encoder, indent, key_separator, item_separator,
+# sort_keys, skipkeys, allow_nan), positionally only.
 _canonical_chunks = c_make_encoder(
     None, json.JSONEncoder().default, encode_basestring, None, ":", ",",
     True, False, False,

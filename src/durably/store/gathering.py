@@ -21,20 +21,32 @@ MAX_PASSES = 64
 """How many passes of the event loop a group commit waits at most."""
 
 
-def waits(loop: asyncio.AbstractEventLoop, passes: int, quiet: int) -> bool:
-    """Whether a group commit that waited ``passes`` passes, the last ``quiet`` of them with
-    no write joining, waits one more. A loop with no ready queue to look at (not asyncio's
-    own) never waits."""
-    return passes < MAX_PASSES and quiet < QUIET_PASSES and bool(getattr(loop, "_ready", None))
+class Gather:
+    """One group commit's wait: the passes it waited, and how many of the last ones in a
+    row no write joined."""
+
+    __slots__ = ("passes", "quiet", "seen")
+
+    def __init__(self) -> None:
+        self.passes = self.quiet = self.seen = 0
+
+    def waits(self, loop: asyncio.AbstractEventLoop, queued: int) -> bool:
+        """After one more pass, with ``queued`` writes now queued: whether to wait another.
+        A loop with no ready queue to look at (not asyncio's own) never waits."""
+        self.passes += 1
+        self.quiet = 0 if queued > self.seen else self.quiet + 1
+        self.seen = queued
+        return (
+            self.passes < MAX_PASSES
+            and self.quiet < QUIET_PASSES
+            and bool(getattr(loop, "_ready", None))
+        )
 
 
 async def gathered(joining: Sized) -> None:
     """Return once the writes joining ``joining`` (a group commit's queue) stop coming."""
     loop = asyncio.get_running_loop()
+    gather = Gather()
     await asyncio.sleep(0)
-    passes, quiet, seen = 1, 0, len(joining)
-    while waits(loop, passes, quiet):
+    while gather.waits(loop, len(joining)):
         await asyncio.sleep(0)
-        passes += 1
-        quiet = 0 if len(joining) > seen else quiet + 1
-        seen = len(joining)

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 
 from durably.errors import ConfigurationError, StoreUnavailable
 from durably.store.base import shown_url
-from durably.store.gathering import waits
+from durably.store.gathering import Gather
 from durably.store.migrations import Migrator, split_statements
 from durably.store.plans import Plan, Query, Round, Rows
 from durably.store.queries import numbered, queries
@@ -213,16 +213,13 @@ class SQLiteStore(SQLStore):
             task.cancel()
             return done.result()
 
-    def _flush(
-        self, loop: asyncio.AbstractEventLoop, passes: int = 0, quiet: int = 0, seen: int = 0
-    ) -> None:
+    def _flush(self, loop: asyncio.AbstractEventLoop, gather: Gather | None = None) -> None:
         # Runs woken one pass apart would otherwise commit in batches of their own forever
         # (each batch's answers wake its runs a pass after the other's): the flush waits
         # while writes keep joining (see store.gathering).
-        queued = len(self._pending.get(loop, ()))
-        quiet = 0 if queued > seen else quiet + 1
-        if waits(loop, passes + 1, quiet):
-            loop.call_soon(self._flush, loop, passes + 1, quiet, queued)
+        gather = gather or Gather()
+        if gather.waits(loop, len(self._pending.get(loop, ()))):
+            loop.call_soon(self._flush, loop, gather)
             return
         batch = [(plan, done) for plan, done in self._pending.pop(loop, []) if not done.done()]
         if len(batch) == 1:
