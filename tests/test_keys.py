@@ -10,7 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from durably.errors import NotJSONSerializable, PayloadTooLarge
-from durably.keys import canonical_json, idempotency_key, input_hash, keyed_hex, sha256_hex
+from durably.keys import (
+    canonical_json,
+    idempotency_key,
+    input_hash,
+    json_value,
+    keyed_hex,
+    sha256_hex,
+)
 from durably.values import MAX_JSON_DEPTH, check_json_value, json_text_fits
 
 # Text a store can hold: no lone surrogates, no NUL (both refused, see below).
@@ -124,6 +131,27 @@ def test_nesting_is_bounded() -> None:
 def test_values_that_would_not_replay_identically_are_refused(value: object) -> None:
     with pytest.raises(NotJSONSerializable):
         canonical_json(value)
+
+
+def test_a_value_that_contains_itself_is_refused_by_name() -> None:
+    """The encoder runs without a circular check: a cycle recurses until RecursionError,
+    which canonical_json reports as a value nested too deep, never as a crash."""
+    cycle: list[object] = []
+    cycle.append(cycle)
+    with pytest.raises(NotJSONSerializable, match="nests deeper"):
+        canonical_json({"a": cycle})
+
+
+@given(json_values)
+def test_stored_json_reads_back_as_json_loads_reads_it(value: object) -> None:
+    text = canonical_json(value)
+    assert json_value(text) == json.loads(text) == value
+    # Text durably did not write (padded, as another writer may have left it) is read by
+    # json.loads itself: the same value, or the same refusal.
+    assert json_value(f" {text}\n") == value
+    for broken in (f"{text} x", f"\ufeff{text}", f"[{text}"):
+        with pytest.raises(json.JSONDecodeError):
+            json_value(broken)
 
 
 def test_size_limit() -> None:
