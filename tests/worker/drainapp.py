@@ -20,6 +20,13 @@ async def slow_step(i: int, ledger: str) -> int:
     return i
 
 
+def started(ledger: Path) -> bool:
+    """Whether a step of the run counting into ``ledger`` has started: its line is in the
+    file. The file exists from the step's ``open``, before its line is flushed at ``close``:
+    a process killed in between ran the step without counting it."""
+    return ledger.exists() and bool(ledger.read_text().strip())
+
+
 @app.workflow()
 async def three_slow_steps(ledger: str) -> list[int]:
     return [await slow_step(i, ledger) for i in range(3)]

@@ -33,7 +33,7 @@ def sigkill_once_started(worker: subprocess.Popen[str], ledgers: list[Path]) -> 
     """SIGKILL ``worker`` once each run has started (written its ledger file)."""
     try:
         deadline = time.monotonic() + 20
-        while not all(ledger.exists() for ledger in ledgers):
+        while not all(drainapp.started(ledger) for ledger in ledgers):
             assert time.monotonic() < deadline, "the worker never started every run"
             time.sleep(0.02)
     finally:
@@ -50,9 +50,9 @@ def test_sigterm_releases_the_run_at_a_boundary(database_url: str, tmp_path: Pat
         worker = durably_cli(database_url, "worker", "--lease-ttl", "30")
         try:
             deadline = time.monotonic() + 20
-            while not ledger.exists() and time.monotonic() < deadline:
+            while not drainapp.started(ledger) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert ledger.exists(), "the worker never started the run"
+            assert drainapp.started(ledger), "the worker never started the run"
             worker.send_signal(signal.SIGTERM)
             _, stderr = worker.communicate(timeout=20)
         finally:
