@@ -29,10 +29,11 @@ CHECKPOINT_SCHEMA_VERSION = 2
 """2: ``completed_effects`` lists the keys of the run's latest confirmed effects (was: the
 count and the latest key only); version 1 checkpoints are upgraded on read."""
 
-EFFECTS_LISTED = 16
+EFFECTS_LISTED = 4
 """Confirmed effect keys a checkpoint lists: the latest ones, oldest first. Bounded, so a
 run with thousands of effects writes checkpoints of the same size; the tool ledger holds
-the whole list, and ``count`` says how many there are."""
+the whole list, and ``count`` says how many there are. Few, because every effect writes two
+checkpoints: at 16 keys they were half of what an effect wrote."""
 
 CHECKPOINT_EVERY = 32
 """A step's result is checkpointed only when this many results were settled since the last
