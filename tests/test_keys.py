@@ -71,6 +71,19 @@ def test_idempotency_key_is_the_documented_formula() -> None:
     assert key != idempotency_key("acme", "run_1", 3, "send#1", "send")
 
 
+@given(st.lists(st.text(), min_size=4, max_size=4), st.integers(min_value=0))
+def test_keys_hash_the_parts_as_json_dumps_writes_them(parts: list[str], version: int) -> None:
+    """Any text (quotes, controls, non-ASCII): the key of a recorded call never changes
+    with how durably encodes its parts."""
+    tenant, run_id, step_id, group = parts
+    text = json.dumps(
+        ["durably.idempotency_key", 2, tenant, run_id, version, step_id, group],
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    assert idempotency_key(tenant, run_id, version, step_id, group) == sha256_hex(text)
+
+
 def test_runs_recorded_under_scheme_1_keep_their_keys() -> None:
     key = idempotency_key("acme", "run_1", 2, "send#1", "send", scheme=1)
     assert key == sha256_hex("acme|run_1|2|send#1|send")

@@ -27,7 +27,6 @@ _plain_chunks = c_make_encoder(
     None, json.JSONEncoder().default, encode_basestring, None, ":", ",",
     True, False, True,
 )  # fmt: skip
-_key_parts = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _scan = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
@@ -138,8 +137,10 @@ def idempotency_key(
     """
     if scheme == 1:
         return sha256_hex("|".join((tenant, run_id, str(plan_version), step_id, operation_group)))
+    # The parts are text and integers: _plain writes them as json.dumps(separators=(",",
+    # ":"), ensure_ascii=False) does, which the keys recorded so far were hashed over.
     return sha256_hex(
-        _key_parts(
+        _plain(
             [
                 "durably.idempotency_key",
                 scheme,

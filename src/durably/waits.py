@@ -9,7 +9,6 @@ Replaying a settled wait returns its recorded outcome without waiting again.
 
 from __future__ import annotations
 
-import json
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -23,7 +22,7 @@ from durably.errors import (
     WaitTimeout,
 )
 from durably.execution import AwaitedApproval, RunContext
-from durably.keys import canonical_json, input_hash, sha256_hex
+from durably.keys import canonical_json, input_hash, json_value, sha256_hex
 from durably.status import RunStatus, StepStatus
 from durably.store.base import (
     FAR_FUTURE,
@@ -65,12 +64,12 @@ class _Wait:
         ctx.replayed(self.step_id, self.position, "step", name, self.input_hash)
         recorded = ctx.steps.get(self.step_id)
         self.outcome = (
-            json.loads(recorded.output_json or "null")
+            json_value(recorded.output_json or "null")
             if recorded is not None and recorded.status is StepStatus.SUCCEEDED
             else None
         )
         self.pending: dict[str, Any] | None = (
-            json.loads(recorded.output_json or "{}")
+            json_value(recorded.output_json or "{}")
             if recorded is not None and recorded.status is StepStatus.PENDING
             else None
         )

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, replace
 
 from durably.effect.protocol import Effect
 from durably.execution import RunContext
-from durably.keys import (
-    plain_json,
-)
+from durably.keys import json_value, plain_json
 from durably.reconcile import Operation
 from durably.status import OperationStatus
 from durably.store.base import (
@@ -49,7 +46,7 @@ async def compensate(ctx: RunContext, step_ids: tuple[str, ...]) -> list[str]:
             idempotency_key=op.idempotency_key,
             external_operation_id=op.external_operation_id,
             attempt=op.attempt,
-            result=json.loads(op.result_json or "null"),
+            result=json_value(op.result_json or "null"),
         )
         await Effect(ctx, undo, (asdict(operation),), {}, f"compensate:{op.step_id}").settle()
         current = ctx.operations[op.idempotency_key]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from typing import Any
@@ -33,6 +32,7 @@ from durably.errors import (
     ToolError,
 )
 from durably.execution import Cancel, Suspend
+from durably.keys import json_value
 from durably.ledger import Action, OperationView, decide
 from durably.status import FailureCategory, OperationStatus
 from durably.store.base import (
@@ -119,7 +119,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 assert op is not None
                 if op.result_json is None and op.error:
                     await self._refuse_result(op.error, record=False)
-                return json.loads(op.result_json or "null")
+                return json_value(op.result_json or "null")
             elif action is Action.CLAIM:
                 assert op is not None
                 use = await self._approval() if op.attempt == 0 else None

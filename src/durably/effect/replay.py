@@ -8,11 +8,11 @@ approval. Nothing real happens unless the mode says so.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from durably.effect.core import EffectCore
 from durably.errors import ReplayBlocked
+from durably.keys import json_value
 from durably.status import OperationStatus, ReplayMode
 from durably.store.base import OperationRecord
 
@@ -35,7 +35,7 @@ class Replaying(EffectCore):
             recorded = await self._source_operation()
             if recorded is not None:
                 await self._record_success(
-                    json.loads(recorded.result_json or "null"),
+                    json_value(recorded.result_json or "null"),
                     event="effect_replayed",
                     source_run=recorded.run_id,
                     known_id=recorded.external_operation_id,
