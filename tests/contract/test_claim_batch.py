@@ -136,3 +136,43 @@ def test_racing_batch_claimers_never_hold_the_same_run(
     owners = {r.run_id: r.lease_owner for r in run(store.list_runs(limit=runs))}
     for me, mine in enumerate(taken):
         assert all(owners[run_id] == f"w{me}" for run_id, _ in mine)
+
+
+def test_a_held_run_is_due_again_when_its_lease_runs_out(store: Store) -> None:  # noqa: F811
+    """A claim and each heartbeat make a run due when the lease they give runs out, so a
+    claim never walks the runs other workers hold; a commit extends the lease alone (the
+    run is due no later than its lease runs out). A release, or its owner found dead, makes
+    it due at once."""
+    for i in range(3):
+        run(store.create_run(new_run(f"r{i}")))
+    claims = run(store.claim_batch("w1", 30, WORKFLOWS, 3))
+    for claim in claims:
+        assert claim.run.available_at == claim.run.lease_until
+    r0, r1, r2 = (c.lease for c in claims)
+
+    def held(run_id: str) -> tuple[float, float]:
+        r = run(store.get_run(run_id))
+        assert r is not None
+        assert r.lease_until is not None
+        return r.available_at, r.lease_until
+
+    time.sleep(0.05)
+    until = run(store.heartbeat(r0))
+    assert held("r0") == (until, until)
+    due, _ = held("r0")
+    time.sleep(0.05)
+    run(store.commit(r0, Transition(events=[EventWrite("mine")])))
+    assert held("r0")[0] == due < held("r0")[1]
+    assert run(store.claim_batch("w2", 30, WORKFLOWS, 3)) == []
+    # Released by its holder, or its holder found dead: due now, claimed at once.
+    run(store.commit(r1, Transition(events=[EventWrite("handed_over")], release=True)))
+    assert run(store.expire_leases(["w1"])) == 2
+    again = run(store.claim_batch("w2", 30, WORKFLOWS, 3))
+    assert sorted(c.run.run_id for c in again) == ["r0", "r1", "r2"]
+    assert [c.recovered for c in sorted(again, key=lambda c: c.run.run_id)] == [
+        True,
+        False,
+        True,
+    ]
+    with pytest.raises(LeaseLostError):
+        run(store.heartbeat(r2))

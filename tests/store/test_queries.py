@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import ast
 import re
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from durably.store.base import CLAIMABLE
+from durably.store.base import CLAIMABLE, NewRun
 from durably.store.queries import queries
 
 STORE = Path(__file__).resolve().parents[2] / "src" / "durably" / "store"
@@ -190,3 +192,101 @@ def test_a_postgres_claim_walks_the_runnable_runs_in_claim_order(postgres_schema
     assert "Index Scan using durably_runs_runnable" in plan, plan
     assert "Sort" not in plan, plan
     assert setting == ("on",)
+
+
+HELD = 300
+"""Runs other workers hold, which a claim must not walk."""
+
+
+def test_a_claim_walks_none_of_the_runs_other_workers_hold(tmp_path: Path) -> None:
+    """A held run is due when its lease runs out (see the take_lease and heartbeat
+    statements): a claim with hundreds held does the work of a claim with a few."""
+    import asyncio
+    import json
+    import sqlite3
+
+    from durably.store.sqlite import SQLiteStore
+
+    def claim_work(path: Path) -> int:
+        """Steps of SQLite's VM to find the runs a claim would take now (none)."""
+        steps = 0
+
+        def count() -> int:
+            nonlocal steps
+            steps += 1
+            return 0
+
+        params = {"now": time.time(), "workflows": json.dumps(["wf|1"]), "limit": 16}
+        with sqlite3.connect(path) as conn:
+            conn.set_progress_handler(count, 1)
+            assert conn.execute(queries("sqlite")["claim_batch"], params).fetchall() == []
+        return steps
+
+    async def hold(store: SQLiteStore, runs: int) -> None:
+        await store.migrate()
+        for i in range(runs):
+            await store.create_run(NewRun(f"r{i}", "default", "wf", "1", {}, "{}", "h", 2))
+        assert len(await store.claim_batch("w1", 600, ["wf|1"], runs)) == runs
+        await store.close()
+
+    work = []
+    for runs in (HELD // 10, HELD):
+        path = tmp_path / f"held-{runs}.db"
+        asyncio.run(hold(SQLiteStore(f"sqlite:///{path}"), runs))
+        work.append(claim_work(path))
+    assert work[1] == work[0], work
+
+
+def test_a_postgres_claim_walks_none_of_the_runs_other_workers_hold(
+    postgres_schema: str,
+) -> None:
+    """Likewise on PostgreSQL: the claim's walk of the runnable index meets no held run."""
+    import asyncio
+    import json
+
+    import psycopg
+
+    from durably.store.postgres import PostgresStore
+    from tests.conftest import postgres_schema_url
+
+    url = postgres_schema_url(postgres_schema)
+
+    async def hold() -> None:
+        store = PostgresStore(url)
+        await store.migrate()
+        for i in range(HELD):
+            await store.create_run(NewRun(f"r{i}", "default", "wf", "1", {}, "{}", "h", 2))
+        assert len(await store.claim_batch("w1", 600, ["wf|1"], HELD)) == HELD
+        await store.close()
+
+    asyncio.run(hold())
+    sql = queries("postgres")
+    params = {"workflows": ["wf|1"], "limit": 16, "owner": "w2", "ttl": 30.0}
+    with psycopg.connect(url) as conn:
+        conn.execute(sql["claim_in_index_order"])
+        (plan,) = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + sql["claim_batch"], params
+        ).fetchone()
+        conn.rollback()
+    scans = []
+
+    def walk(node: dict[str, Any]) -> None:
+        if node.get("Index Name") == "durably_runs_runnable":
+            scans.append(node)
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk((plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"])
+    assert scans, plan
+    for scan in scans:
+        assert (scan["Actual Rows"], scan.get("Rows Removed by Filter", 0)) == (0, 0), scan
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_commits_fence_leaves_the_runnable_index_alone(backend: str) -> None:
+    """Every commit of a lease holder renews its lease and sets nothing the runnable index
+    holds: SQLite rewrites the entries of an index whose column an UPDATE sets (one more
+    page a commit), even to the value it had; PostgreSQL's update would no longer be HOT."""
+    fence = queries(backend)["fence_lease"]
+    assert "lease_until" in fence
+    assert not re.search(r"\b(available_at|created_at|status)\s*=", fence), fence

@@ -44,17 +44,14 @@ def commit(
     """
     run_id = guard.run_id
     if isinstance(guard, Lease):
-        fence = (
-            "fence_lease",
-            {
-                "run_id": run_id,
-                "owner": guard.owner,
-                "epoch": guard.epoch,
-                "ttl": guard.ttl_s,
-                "release": t.release,
-                "events": len(t.events),
-            },
-        )
+        held = {
+            "run_id": run_id,
+            "owner": guard.owner,
+            "epoch": guard.epoch,
+            "ttl": guard.ttl_s,
+            "events": len(t.events),
+        }
+        fence = ("fence_release", held) if t.release else ("fence_lease", held)
     else:
         fence = (
             "fence_expect",

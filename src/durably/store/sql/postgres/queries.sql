@@ -28,7 +28,7 @@ WITH run AS (
         lease_until, lease_epoch, available_at, created_at, updated_at)
     VALUES (%(run_id)s, %(tenant)s, %(workflow)s, %(workflow_version)s, 'running',
         %(input_json)s, %(input_hash)s, %(key_scheme)s, 1, 2, %(owner)s,
-        extract(epoch FROM now()) + %(ttl)s, 1, extract(epoch FROM now()),
+        extract(epoch FROM now()) + %(ttl)s, 1, extract(epoch FROM now()) + %(ttl)s,
         extract(epoch FROM now()), extract(epoch FROM now()))
     ON CONFLICT (run_id) DO NOTHING
     RETURNING *
@@ -60,19 +60,20 @@ ORDER BY created_at DESC, run_id LIMIT %(limit)s;
 
 -- name: claim_run
 -- Lease this run if due and not held by another; the row with its lease as it was before.
+-- A run its claimer holds already is due whatever its available_at (see claim_batch).
 WITH candidate AS (
     SELECT run_id, status AS old_status, lease_owner AS old_owner, lease_until AS old_until
     FROM durably_runs
     WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval')
-      AND available_at <= extract(epoch FROM now())
       AND run_id = %(run_id)s
-      AND (lease_owner IS NULL OR lease_until < extract(epoch FROM now())
+      AND (available_at <= extract(epoch FROM now())
+           AND (lease_owner IS NULL OR lease_until < extract(epoch FROM now()))
            OR lease_owner = %(owner)s)
     FOR UPDATE SKIP LOCKED)
 UPDATE durably_runs r SET lease_owner = %(owner)s,
     lease_until = extract(epoch FROM now()) + %(ttl)s, lease_epoch = r.lease_epoch + 1,
     state_version = r.state_version + 1, status = 'running',
-    available_at = extract(epoch FROM now()), updated_at = extract(epoch FROM now())
+    available_at = extract(epoch FROM now()) + %(ttl)s, updated_at = extract(epoch FROM now())
 FROM candidate c WHERE r.run_id = c.run_id
 RETURNING r.*, c.old_status, c.old_owner, c.old_until;
 
@@ -90,7 +91,9 @@ SET LOCAL enable_sort = on;
 
 -- name: claim_batch
 -- Lease up to %(limit)s of the oldest due, unheld runs of these workflows at once (a worker's
--- free slots), passing over rows being claimed: no run goes to two claimers.
+-- free slots), passing over rows being claimed: no run goes to two claimers. A leased run
+-- is due again when its lease runs out, and every heartbeat moves that on: a held run stays
+-- out of the claims' walk of durably_runs_runnable, which costs the batch, not the runs held.
 WITH candidate AS (
     SELECT run_id, status AS old_status, lease_owner AS old_owner, lease_until AS old_until
     FROM durably_runs
@@ -103,7 +106,7 @@ WITH candidate AS (
 UPDATE durably_runs r SET lease_owner = %(owner)s,
     lease_until = extract(epoch FROM now()) + %(ttl)s, lease_epoch = r.lease_epoch + 1,
     state_version = r.state_version + 1, status = 'running',
-    available_at = extract(epoch FROM now()), updated_at = extract(epoch FROM now())
+    available_at = extract(epoch FROM now()) + %(ttl)s, updated_at = extract(epoch FROM now())
 FROM candidate c WHERE r.run_id = c.run_id
 RETURNING r.*, c.old_status, c.old_owner, c.old_until;
 
@@ -118,7 +121,8 @@ WHERE status IN ('running', 'reconciling') AND lease_until > extract(epoch FROM 
 
 -- name: expire_run_leases
 -- End now the leases of owners whose process is gone, so their runs can be claimed at once.
-UPDATE durably_runs SET lease_until = extract(epoch FROM now())
+UPDATE durably_runs SET lease_until = extract(epoch FROM now()),
+    available_at = least(available_at, extract(epoch FROM now()))
 WHERE lease_owner = ANY(%(owners)s) AND lease_until > extract(epoch FROM now());
 
 -- name: expire_operation_leases
@@ -128,18 +132,33 @@ UPDATE durably_tool_operations SET lease_until = extract(epoch FROM now())
 WHERE lease_owner = ANY(%(owners)s) AND lease_until > extract(epoch FROM now());
 
 -- name: heartbeat
--- Extend the lease if it is still this holder's; no row if it was lost.
-UPDATE durably_runs SET lease_until = extract(epoch FROM now()) + %(ttl)s
+-- Extend the lease if it is still this holder's, and when the run is due again with it
+-- (see claim_batch); no row if it was lost. A commit extends the lease alone, which keeps
+-- its update HOT: between two heartbeats available_at <= lease_until, so a run whose lease
+-- ran out is due.
+UPDATE durably_runs SET lease_until = extract(epoch FROM now()) + %(ttl)s,
+    available_at = extract(epoch FROM now()) + %(ttl)s
 WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
 RETURNING lease_until;
 
 -- name: fence_lease
--- A lease holder's fence: no row unless it holds the run; renews or releases the lease.
+-- A lease holder's fence: no row unless it holds the run; renews the lease. Not when the run
+-- is due again (see the heartbeat): this is every commit's, and leaves the runnable index
+-- as it is.
 UPDATE durably_runs SET last_sequence = last_sequence + %(events)s,
     state_version = state_version + 1,
-    lease_until = CASE WHEN %(release)s THEN NULL ELSE extract(epoch FROM now()) + %(ttl)s END,
-    lease_owner = CASE WHEN %(release)s THEN NULL ELSE lease_owner END,
+    lease_until = extract(epoch FROM now()) + %(ttl)s,
     updated_at = extract(epoch FROM now())
+WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+RETURNING last_sequence, state_version, lease_until, cancel_requested,
+    pause_requested;
+
+-- name: fence_release
+-- The fence of a commit that lets go of the run: no row unless its holder commits. The run
+-- is due at once, unless what the commit writes says when (a retry, a wait's timer).
+UPDATE durably_runs SET last_sequence = last_sequence + %(events)s,
+    state_version = state_version + 1, lease_until = NULL, lease_owner = NULL,
+    available_at = extract(epoch FROM now()), updated_at = extract(epoch FROM now())
 WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
 RETURNING last_sequence, state_version, lease_until, cancel_requested,
     pause_requested;
@@ -351,7 +370,8 @@ WITH held AS (
             ELSE %(run_error_json)s END,
         waiting_for_json = CASE WHEN %(run_status)s::text IS NULL THEN waiting_for_json
             ELSE %(run_waiting_for_json)s END,
-        available_at = coalesce(%(run_available_at)s, available_at)
+        available_at = coalesce(%(run_available_at)s,
+            CASE WHEN %(release)s THEN extract(epoch FROM now()) ELSE available_at END)
     WHERE run_id IN (SELECT run_id FROM held)
       AND (%(op)s::text IS NULL OR EXISTS (SELECT FROM inserted) OR EXISTS (SELECT FROM updated))
     RETURNING run_id, last_sequence, state_version, lease_until, cancel_requested,

@@ -25,7 +25,7 @@ INSERT INTO durably_runs (run_id, tenant_id, workflow, workflow_version, status,
     input_hash, key_scheme, last_sequence, state_version, lease_owner, lease_until,
     lease_epoch, available_at, created_at, updated_at)
 VALUES (:run_id, :tenant, :workflow, :workflow_version, 'running', :input_json, :input_hash,
-    :key_scheme, 1, 2, :owner, :now + :ttl, 1, :now, :now, :now)
+    :key_scheme, 1, 2, :owner, :now + :ttl, 1, :now + :ttl, :now, :now)
 ON CONFLICT (run_id) DO NOTHING
 RETURNING *;
 
@@ -41,12 +41,13 @@ ORDER BY created_at DESC, run_id LIMIT :limit;
 
 -- name: claim_run
 -- This run as it is before a claim, if due and not held by another; take_lease follows.
+-- A run its claimer holds already is due whatever its available_at (see take_lease).
 SELECT run_id, status AS old_status, lease_owner AS old_owner, lease_until AS old_until
 FROM durably_runs
 WHERE run_id = :run_id
   AND status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval')
-  AND available_at <= :now
-  AND (lease_owner IS NULL OR lease_until < :now OR lease_owner = :owner);
+  AND (available_at <= :now AND (lease_owner IS NULL OR lease_until < :now)
+       OR lease_owner = :owner);
 
 -- name: claim_batch
 -- Up to :limit of the oldest due, unheld runs of these workflows (JSON), as they are; a
@@ -60,10 +61,12 @@ WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waitin
 ORDER BY available_at, created_at LIMIT :limit;
 
 -- name: take_lease
--- Lease a run picked by claim_run or claim_batch: a new epoch, running, due now.
+-- Lease a run picked by claim_run or claim_batch: a new epoch, running. It is due again
+-- when this lease runs out, and every heartbeat moves that on: a held run stays out of
+-- the claims' walk of durably_runs_runnable, which costs the batch, not the runs held.
 UPDATE durably_runs SET lease_owner = :owner, lease_until = :now + :ttl,
     lease_epoch = lease_epoch + 1, state_version = state_version + 1, status = 'running',
-    available_at = :now, updated_at = :now
+    available_at = :now + :ttl, updated_at = :now
 WHERE run_id = :run_id
 RETURNING *;
 
@@ -80,7 +83,7 @@ WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waitin
 
 -- name: expire_run_leases
 -- End now the leases of owners whose process is gone, so their runs can be claimed at once.
-UPDATE durably_runs SET lease_until = :now
+UPDATE durably_runs SET lease_until = :now, available_at = min(available_at, :now)
 WHERE lease_owner IN (SELECT value FROM json_each(:owners)) AND lease_until > :now;
 
 -- name: expire_operation_leases
@@ -90,18 +93,31 @@ UPDATE durably_tool_operations SET lease_until = :now
 WHERE lease_owner IN (SELECT value FROM json_each(:owners)) AND lease_until > :now;
 
 -- name: heartbeat
--- Extend the lease if it is still this holder's; no row if it was lost.
-UPDATE durably_runs SET lease_until = :now + :ttl
+-- Extend the lease if it is still this holder's, and when the run is due again with it
+-- (see take_lease); no row if it was lost. A commit extends the lease alone: between two
+-- heartbeats available_at <= lease_until, so a run whose lease ran out is due.
+UPDATE durably_runs SET lease_until = :now + :ttl, available_at = :now + :ttl
 WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoch = :epoch
 RETURNING lease_until;
 
 -- name: fence_lease
--- A lease holder's fence: no row unless it holds the run; renews or releases the lease.
+-- A lease holder's fence: no row unless it holds the run; renews the lease. Not when the run
+-- is due again (see the heartbeat): this is every commit's, and leaves the runnable index
+-- as it is.
 UPDATE durably_runs SET last_sequence = last_sequence + :events,
     state_version = state_version + 1,
-    lease_until = CASE WHEN :release THEN NULL ELSE :now + :ttl END,
-    lease_owner = CASE WHEN :release THEN NULL ELSE lease_owner END,
+    lease_until = :now + :ttl,
     updated_at = :now
+WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoch = :epoch
+RETURNING last_sequence, state_version, lease_until, cancel_requested,
+    pause_requested;
+
+-- name: fence_release
+-- The fence of a commit that lets go of the run: no row unless its holder commits. The run
+-- is due at once, unless what the commit writes says when (a retry, a wait's timer).
+UPDATE durably_runs SET last_sequence = last_sequence + :events,
+    state_version = state_version + 1, lease_until = NULL, lease_owner = NULL,
+    available_at = :now, updated_at = :now
 WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoch = :epoch
 RETURNING last_sequence, state_version, lease_until, cancel_requested,
     pause_requested;
