@@ -12,7 +12,7 @@ import pytest
 from durably.errors import LeaseLostError
 from durably.status import RunStatus, StepStatus
 from durably.store import open_store
-from durably.store.base import EventWrite, StepWrite, Store, Transition
+from durably.store.base import EventWrite, RunUpdate, StepWrite, Store, Transition
 from tests.contract.test_store import new_run, run, store  # noqa: F401 - the fixture
 
 WORKFLOWS = ["wf|1"]
@@ -176,3 +176,26 @@ def test_a_held_run_is_due_again_when_its_lease_runs_out(store: Store) -> None: 
     ]
     with pytest.raises(LeaseLostError):
         run(store.heartbeat(r2))
+
+
+def test_an_idle_worker_wakes_when_the_next_run_is_due(store: Store) -> None:  # noqa: F811
+    """``next_wakeup``: the earliest timer of a waiting run, not later because runs are held
+    (their leases, heartbeated, run out later still), and now once a lease has run out."""
+    for i in range(3):
+        run(store.create_run(new_run(f"r{i}")))
+    waiting, held, paused = run(store.claim_batch("w1", 600, WORKFLOWS, 3))
+    timer = run(store.now()) + 100
+
+    def wakes_in() -> float:
+        due = run(store.next_wakeup(WORKFLOWS))
+        assert due is not None
+        return due - time.time()
+
+    wait = RunUpdate(RunStatus.WAITING_EXTERNAL, available_at=timer)
+    run(store.commit(waiting.lease, Transition(events=[], run=wait, release=True)))
+    pause = RunUpdate(RunStatus.PAUSED)
+    run(store.commit(paused.lease, Transition(events=[], run=pause, release=True)))
+    run(store.heartbeat(held.lease))
+    assert 98 < wakes_in() <= 100
+    run(store.expire_leases(["w1"]))  # the holder found dead: due now
+    assert wakes_in() <= 0

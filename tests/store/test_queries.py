@@ -194,6 +194,22 @@ def test_a_postgres_claim_walks_the_runnable_runs_in_claim_order(postgres_schema
     assert setting == ("on",)
 
 
+def runnable_index_scans(explained: Any) -> list[dict[str, Any]]:
+    """The nodes of an ``EXPLAIN (ANALYZE, FORMAT JSON)`` that scan durably_runs_runnable."""
+    import json
+
+    scans = []
+
+    def walk(node: dict[str, Any]) -> None:
+        if node.get("Index Name") == "durably_runs_runnable":
+            scans.append(node)
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk((explained if isinstance(explained, list) else json.loads(explained))[0]["Plan"])
+    return scans
+
+
 HELD = 300
 """Runs other workers hold, which a claim must not walk."""
 
@@ -242,7 +258,6 @@ def test_a_postgres_claim_walks_none_of_the_runs_other_workers_hold(
 ) -> None:
     """Likewise on PostgreSQL: the claim's walk of the runnable index meets no held run."""
     import asyncio
-    import json
 
     import psycopg
 
@@ -268,15 +283,7 @@ def test_a_postgres_claim_walks_none_of_the_runs_other_workers_hold(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + sql["claim_batch"], params
         ).fetchone()
         conn.rollback()
-    scans = []
-
-    def walk(node: dict[str, Any]) -> None:
-        if node.get("Index Name") == "durably_runs_runnable":
-            scans.append(node)
-        for child in node.get("Plans", []):
-            walk(child)
-
-    walk((plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"])
+    scans = runnable_index_scans(plan)
     assert scans, plan
     for scan in scans:
         assert (scan["Actual Rows"], scan.get("Rows Removed by Filter", 0)) == (0, 0), scan
@@ -290,3 +297,78 @@ def test_a_commits_fence_leaves_the_runnable_index_alone(backend: str) -> None:
     fence = queries(backend)["fence_lease"]
     assert "lease_until" in fence
     assert not re.search(r"\b(available_at|created_at|status)\s*=", fence), fence
+
+
+WAITING_RUNS = (
+    "INSERT INTO durably_runs (run_id, tenant_id, workflow, workflow_version, status,"
+    " input_json, input_hash, available_at, created_at, updated_at)"
+    " VALUES (?, 'default', 'wf', '1', 'waiting_approval', '{}', 'h', 1e15, ?, ?)"
+)
+
+
+def test_an_idle_workers_wakeup_stops_at_the_first_run_due(tmp_path: Path) -> None:
+    """An idle worker's slots each ask when the next run is due, twice a second: the read
+    walks the runnable index to the first run and stops, however many runs wait (here for
+    an approval, with no timer)."""
+    import asyncio
+    import json
+    import sqlite3
+
+    from durably.store.sqlite import SQLiteStore
+
+    work = []
+    for runs in (30, 300):
+        path = tmp_path / f"waiting-{runs}.db"
+        asyncio.run(SQLiteStore(f"sqlite:///{path}").migrate())
+        steps = 0
+
+        def count() -> int:
+            nonlocal steps
+            steps += 1
+            return 0
+
+        with sqlite3.connect(path) as conn:
+            conn.executemany(WAITING_RUNS, [(f"r{i}", i, i) for i in range(runs)])
+            conn.commit()
+            conn.set_progress_handler(count, 1)
+            params = {"now": time.time(), "workflows": json.dumps(["wf|1"])}
+            ((due, _),) = conn.execute(queries("sqlite")["next_wakeup"], params).fetchall()
+        assert due == 1e15
+        work.append(steps)
+    assert work[1] == work[0], work
+
+
+def test_a_postgres_idle_workers_wakeup_stops_at_the_first_run_due(postgres_schema: str) -> None:
+    """Likewise on PostgreSQL, as the store sends the read (held to the index's order, like
+    a claim), on a backlog the table's statistics do not know yet."""
+    import asyncio
+    import json
+
+    import psycopg
+
+    from durably.store.postgres import PostgresStore
+    from tests.conftest import postgres_schema_url
+
+    url = postgres_schema_url(postgres_schema)
+    store = PostgresStore(url)
+    asyncio.run(store.migrate())
+    sql = queries("postgres")
+    with psycopg.connect(url) as conn:
+        conn.execute(
+            "INSERT INTO durably_runs (run_id, tenant_id, workflow, workflow_version, status,"
+            " input_json, input_hash, available_at, created_at, updated_at)"
+            " SELECT 'r' || i, 'default', 'wf', '1', 'waiting_approval', '{}', 'h', 1e15, i, i"
+            " FROM generate_series(1, 3000) AS i"
+        )
+        before, read, after = next(store._in_claim_order(("next_wakeup", {}))).queries
+        assert read[0] == "next_wakeup"
+        conn.execute(sql[before[0]])
+        (plan,) = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + sql["next_wakeup"], {"workflows": ["wf|1"]}
+        ).fetchone()
+        conn.execute(sql[after[0]])
+        conn.rollback()
+    text = json.dumps(plan)
+    assert "Sort" not in text, text
+    scans = runnable_index_scans(plan)
+    assert [(s["Actual Rows"], s.get("Rows Removed by Filter", 0)) for s in scans] == [(1, 0)]

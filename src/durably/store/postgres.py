@@ -246,11 +246,14 @@ class PostgresStore(SQLStore):
         if name != "claim_batch":
             (claimed,) = yield Round([(name, params)])
             return claimed
-        # In claim order, for this statement only (see claim_in_index_order).
-        _, claimed, _ = yield Round(
-            [("claim_in_index_order", {}), (name, params), ("claim_done_in_index_order", {})]
+        return (yield from self._in_claim_order((name, params)))
+
+    def _in_claim_order(self, query: Query, *, final: bool = False) -> Plan[Rows]:
+        # For this statement only (see claim_in_index_order).
+        _, rows, _ = yield Round(
+            [("claim_in_index_order", {}), query, ("claim_done_in_index_order", {})], final=final
         )
-        return claimed
+        return rows
 
     def _list(self, values: Sequence[str]) -> list[str]:
         return list(values)

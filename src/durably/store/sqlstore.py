@@ -28,7 +28,7 @@ from durably.store.base import (
     StoredCheckpoint,
     Transition,
 )
-from durably.store.plans import Plan, Rows, lease_lost
+from durably.store.plans import Plan, Query, Rows, lease_lost
 from durably.store.rows import checkpoint_from_row, event_from_row, run_from_row
 
 T = TypeVar("T")
@@ -64,6 +64,12 @@ class SQLStore(Store):
         """Run ``claim_run`` or ``claim_batch`` and lease the runs it finds:
         a row of each run as leased, with ``old_status``, ``old_owner`` and ``old_until``
         from before."""
+
+    @abc.abstractmethod
+    def _in_claim_order(self, query: Query, *, final: bool = False) -> Plan[Rows]:
+        """``query``, a walk of ``durably_runs_runnable``, sent so that it walks the index
+        in claim order and stops (PostgreSQL's planner may otherwise sort every runnable
+        run); ``final``: the plan's last round."""
 
     @abc.abstractmethod
     def _list(self, values: Sequence[str]) -> Any:
@@ -244,7 +250,10 @@ class SQLStore(Store):
     async def next_wakeup(self, workflows: list[str]) -> float | None:
         if not workflows:
             return None
-        rows = await self._one("next_wakeup", {"workflows": self._list(workflows)})
+        query = ("next_wakeup", {"workflows": self._list(workflows)})
+        rows = await self._run(
+            lambda: self._in_claim_order(query, final=True), idempotent=True, read_only=True
+        )
         if not rows or rows[0]["due"] is None:
             return None
         # From the store's clock to ours: callers sleep with time.time().

@@ -551,13 +551,17 @@ SELECT * FROM durably_events WHERE run_id = %(run_id)s AND sequence > coalesce((
 ORDER BY sequence;
 
 -- name: next_wakeup
--- When the next claimable run of these workflows is due, with the server's clock.
-SELECT min(greatest(available_at, coalesce(lease_until, 0))) AS due,
-    extract(epoch FROM now()) AS now
+-- When the next claimable run of these workflows is due, with the server's clock: the first
+-- in durably_runs_runnable's order, a walk that stops there, however many runs wait. A
+-- held run is due when its lease runs out (see claim_batch), which a heartbeat keeps ahead;
+-- one a worker of an older version holds is due since its claim: passed over.
+SELECT available_at AS due, extract(epoch FROM now()) AS now
 FROM durably_runs
 WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval')
   AND workflow || '|' || workflow_version = ANY(%(workflows)s)
-  AND (lease_owner IS NULL OR lease_until < extract(epoch FROM now()));
+  AND (available_at > extract(epoch FROM now()) OR lease_owner IS NULL
+       OR lease_until < extract(epoch FROM now()))
+ORDER BY available_at, created_at LIMIT 1;
 
 -- name: ledger_figures
 -- The ledger's figures for metrics, one row per figure (and label): effects an operator must

@@ -370,12 +370,16 @@ SELECT * FROM durably_events WHERE run_id = :run_id AND sequence > coalesce((
 ORDER BY sequence;
 
 -- name: next_wakeup
--- When the next claimable run of these workflows (a JSON list) is due, by the store's clock.
-SELECT min(max(available_at, coalesce(lease_until, 0))) AS due, :now AS now
+-- When the next claimable run of these workflows (a JSON list) is due, by the store's clock:
+-- the first in durably_runs_runnable's order, a walk that stops there, however many runs
+-- wait. A held run is due when its lease runs out (see take_lease), which a heartbeat keeps
+-- ahead; one a worker of an older version holds is due since its claim: passed over.
+SELECT available_at AS due, :now AS now
 FROM durably_runs
 WHERE status IN ('queued', 'running', 'reconciling', 'waiting_external', 'waiting_approval')
   AND workflow || '|' || workflow_version IN (SELECT value FROM json_each(:workflows))
-  AND (lease_owner IS NULL OR lease_until < :now);
+  AND (available_at > :now OR lease_owner IS NULL OR lease_until < :now)
+ORDER BY available_at, created_at LIMIT 1;
 
 -- name: ledger_figures
 -- The ledger's figures for metrics, one row per figure (and label): effects an operator must
