@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 
+import psycopg
 import pytest
 
 from durably.errors import LeaseLostError
@@ -199,3 +200,84 @@ def test_an_idle_worker_wakes_when_the_next_run_is_due(store: Store) -> None:  #
     assert 98 < wakes_in() <= 100
     run(store.expire_leases(["w1"]))  # the holder found dead: due now
     assert wakes_in() <= 0
+
+
+def test_a_dead_holders_runs_are_due_once_their_leases_run_out(store: Store) -> None:  # noqa: F811
+    """Whatever the holder wrote last (a heartbeat, commits, a new status) and whatever an
+    operator asked meanwhile (a cancel, a pause, an event), a run whose holder died is
+    claimed once its lease has run out, and not before."""
+    for run_id in ("steps", "cancel", "pause", "event"):
+        run(store.create_run(new_run(run_id)))
+    claims = {c.run.run_id: c for c in run(store.claim_batch("w1", 0.6, WORKFLOWS, 4))}
+    time.sleep(0.1)
+    lease = claims["steps"].lease
+    run(store.heartbeat(lease))
+    time.sleep(0.1)
+    run(store.commit(lease, Transition(events=[EventWrite("a")])))
+    reconciling = RunUpdate(RunStatus.RECONCILING)
+    run(store.commit(lease, Transition(events=[EventWrite("b")], run=reconciling)))
+    run(store.request_cancel("cancel", compensate=False))
+    run(store.request_pause("pause", '{"by": "op"}'))
+    run(store.deliver_signal("event", "e1", "go", "{}"))
+    # The holder dies here.
+    leases = {}
+    for run_id in claims:
+        r = run(store.get_run(run_id))
+        assert r is not None
+        assert r.lease_until is not None
+        assert r.available_at <= r.lease_until
+        leases[run_id] = r.lease_until
+    assert run(store.claim_batch("w2", 30, WORKFLOWS, 10)) == []
+    while run(store.now()) <= max(leases.values()):
+        time.sleep(0.01)
+    time.sleep(0.02)
+    taken = run(store.claim_batch("w2", 30, WORKFLOWS, 10))
+    assert {c.run.run_id for c in taken} == set(claims)
+    assert all(c.recovered for c in taken)
+
+
+def test_a_commit_behind_a_lock_never_shortens_the_lease(postgres_schema: str) -> None:
+    """On PostgreSQL the writes of several runs share one round, one transaction whose
+    now() is its start. A run's fence that waits behind another run's row lock applies
+    after that run's own heartbeat, which started later: the lease stays the heartbeat's
+    (its holder counts on it), and the run is due when it runs out."""
+    from tests.conftest import postgres_schema_url
+
+    url = postgres_schema_url(postgres_schema)
+
+    async def scenario() -> tuple[float, float, float, bool]:
+        s = open_store(url)
+        await s.migrate()
+        try:
+            for run_id in ("a", "x"):
+                await s.create_run(new_run(run_id))
+            claims = {c.run.run_id: c for c in await s.claim_batch("w1", 2.0, WORKFLOWS, 2)}
+            # Another transaction holds run a's row (an operator's, say).
+            other = await psycopg.AsyncConnection.connect(url)
+            await other.execute("SELECT 1 FROM durably_runs WHERE run_id = 'a' FOR UPDATE")
+            # Both holders' step commits are ready together: one round, a's first.
+            steps = [
+                asyncio.create_task(s.commit(claims[r].lease, Transition([EventWrite("s")])))
+                for r in ("a", "x")
+            ]
+            await asyncio.sleep(0.5)
+            renewed = await s.heartbeat(claims["x"].lease)
+            await asyncio.sleep(0.5)
+            await other.commit()
+            await other.close()
+            await asyncio.gather(*steps)
+            x = await s.get_run("x")
+            assert x is not None
+            assert x.lease_until is not None
+            # x's holder dies here: once its lease has run out, another worker claims it.
+            while await s.now() <= x.lease_until + 0.05:
+                await asyncio.sleep(0.01)
+            taken = await s.claim_batch("w2", 30, WORKFLOWS, 10)
+            return renewed, x.lease_until, x.available_at, "x" in {c.run.run_id for c in taken}
+        finally:
+            await s.close()
+
+    renewed, lease_until, available_at, taken = asyncio.run(scenario())
+    assert lease_until >= renewed
+    assert available_at <= lease_until
+    assert taken

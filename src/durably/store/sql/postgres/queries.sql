@@ -134,9 +134,9 @@ WHERE lease_owner = ANY(%(owners)s) AND lease_until > extract(epoch FROM now());
 -- name: heartbeat
 -- Extend the lease if it is still this holder's, and when the run is due again with it
 -- (see claim_batch); no row if it was lost. A commit extends the lease alone, which keeps
--- its update HOT: between two heartbeats available_at <= lease_until, so a run whose lease
--- ran out is due.
-UPDATE durably_runs SET lease_until = extract(epoch FROM now()) + %(ttl)s,
+-- its update HOT, and no write shortens it (see fence_lease): between two heartbeats
+-- available_at <= lease_until, so a run whose lease ran out is due.
+UPDATE durably_runs SET lease_until = greatest(lease_until, extract(epoch FROM now()) + %(ttl)s),
     available_at = extract(epoch FROM now()) + %(ttl)s
 WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
 RETURNING lease_until;
@@ -144,10 +144,12 @@ RETURNING lease_until;
 -- name: fence_lease
 -- A lease holder's fence: no row unless it holds the run; renews the lease. Not when the run
 -- is due again (see the heartbeat): this is every commit's, and leaves the runnable index
--- as it is.
+-- as it is. Never shorter: a round of several runs' commits is one transaction, whose now()
+-- is its start, and a fence late in it (behind another run's row lock) may apply after a
+-- heartbeat that started later.
 UPDATE durably_runs SET last_sequence = last_sequence + %(events)s,
     state_version = state_version + 1,
-    lease_until = extract(epoch FROM now()) + %(ttl)s,
+    lease_until = greatest(lease_until, extract(epoch FROM now()) + %(ttl)s),
     updated_at = extract(epoch FROM now())
 WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
 RETURNING last_sequence, state_version, lease_until, cancel_requested,
@@ -292,7 +294,7 @@ ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,
 WITH fence AS (
     UPDATE durably_runs SET last_sequence = last_sequence + 1,
         state_version = state_version + 1,
-        lease_until = extract(epoch FROM now()) + %(ttl)s,
+        lease_until = greatest(lease_until, extract(epoch FROM now()) + %(ttl)s),
         updated_at = extract(epoch FROM now())
     WHERE run_id = %(run_id)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
     RETURNING run_id, last_sequence, state_version, lease_until, cancel_requested,
@@ -359,7 +361,8 @@ WITH held AS (
 ), fence AS (
     UPDATE durably_runs SET last_sequence = last_sequence + 1,
         state_version = state_version + 1,
-        lease_until = CASE WHEN %(release)s THEN NULL ELSE extract(epoch FROM now()) + %(ttl)s END,
+        lease_until = CASE WHEN %(release)s THEN NULL
+            ELSE greatest(lease_until, extract(epoch FROM now()) + %(ttl)s) END,
         lease_owner = CASE WHEN %(release)s THEN NULL ELSE lease_owner END,
         updated_at = extract(epoch FROM now()),
         status = coalesce(%(run_status)s, status),

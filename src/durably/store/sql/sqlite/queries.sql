@@ -94,9 +94,10 @@ WHERE lease_owner IN (SELECT value FROM json_each(:owners)) AND lease_until > :n
 
 -- name: heartbeat
 -- Extend the lease if it is still this holder's, and when the run is due again with it
--- (see take_lease); no row if it was lost. A commit extends the lease alone: between two
--- heartbeats available_at <= lease_until, so a run whose lease ran out is due.
-UPDATE durably_runs SET lease_until = :now + :ttl, available_at = :now + :ttl
+-- (see take_lease); no row if it was lost. A commit extends the lease alone, and no write
+-- shortens it (the clock may be set back): between two heartbeats available_at <=
+-- lease_until, so a run whose lease ran out is due.
+UPDATE durably_runs SET lease_until = max(lease_until, :now + :ttl), available_at = :now + :ttl
 WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoch = :epoch
 RETURNING lease_until;
 
@@ -106,7 +107,7 @@ RETURNING lease_until;
 -- as it is.
 UPDATE durably_runs SET last_sequence = last_sequence + :events,
     state_version = state_version + 1,
-    lease_until = :now + :ttl,
+    lease_until = max(lease_until, :now + :ttl),
     updated_at = :now
 WHERE run_id = :run_id AND lease_owner = :owner AND lease_epoch = :epoch
 RETURNING last_sequence, state_version, lease_until, cancel_requested,
