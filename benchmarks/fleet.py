@@ -39,8 +39,9 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def postgres_cpu_s() -> float | None:
-    """CPU seconds of every process named ``postgres``, with the children they reaped."""
+def postgres_cpu_s(postmaster: int | None = None) -> float | None:
+    """CPU seconds of every process named ``postgres``, with the children they reaped;
+    with ``postmaster``, of that server's processes only."""
     total, seen = 0.0, False
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -51,6 +52,8 @@ def postgres_cpu_s() -> float | None:
         if name != "postgres":
             continue
         fields = text[text.rfind(")") + 2 :].split()
+        if postmaster is not None and postmaster not in (int(stat.parent.name), int(fields[1])):
+            continue
         # utime, stime, cutime, cstime: fields 14-17 of /proc/<pid>/stat.
         total += sum(int(v) for v in fields[11:15]) / CLOCK_TICKS
         seen = True

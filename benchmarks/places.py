@@ -216,6 +216,15 @@ class PostgresAdmin:
         row = self.conn().execute(f"SHOW {name}").fetchone()
         return "?" if row is None else str(row[0])
 
+    def postmaster_pid(self) -> int | None:
+        """The server's main process, when it runs on this machine and its data directory
+        is readable (its children are its backends); None otherwise."""
+        try:
+            pid_file = Path(self.setting("data_directory")) / "postmaster.pid"
+            return int(pid_file.read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
+
     def wal_lsn(self) -> int:
         """Bytes of WAL the whole cluster has written so far."""
         row = (
