@@ -114,8 +114,9 @@ def test_swallowed_divergence_still_pauses_the_run(make_app: MakeApp) -> None:
 
 
 def test_reconcile_not_executed_is_bounded(make_app: MakeApp) -> None:
-    """A tool that never answers and a service that never saw it: paused, not a hot loop."""
-    app = make_app()
+    """A tool that never answers and a service that never saw it: paused, not a hot loop.
+    (A short reconcile grace: each "not executed" is trusted only after it.)"""
+    app = make_app(reconcile_grace=timedelta(milliseconds=200))
     calls = Counter[str]()
 
     @app.tool(reconcile=lambda op: Reconciliation.not_executed(), retry=FAST)

@@ -253,7 +253,8 @@ def test_unknown_outcome_is_reconciled_not_retried(make_app: MakeApp) -> None:
 
 
 def test_reconcile_not_executed_runs_again_with_same_key(make_app: MakeApp) -> None:
-    app = make_app()
+    # A short reconcile grace: "not executed" is trusted only after it.
+    app = make_app(reconcile_grace=timedelta(milliseconds=200))
     keys: list[str] = []
 
     @app.tool(reconcile=lambda op: Reconciliation.not_executed())
