@@ -208,7 +208,8 @@ def test_a_dead_holders_runs_are_due_once_their_leases_run_out(store: Store) -> 
     claimed once its lease has run out, and not before."""
     for run_id in ("steps", "cancel", "pause", "event"):
         run(store.create_run(new_run(run_id)))
-    claims = {c.run.run_id: c for c in run(store.claim_batch("w1", 0.6, WORKFLOWS, 4))}
+    # Long enough that the writes below all come before any of these leases runs out.
+    claims = {c.run.run_id: c for c in run(store.claim_batch("w1", 2.0, WORKFLOWS, 4))}
     time.sleep(0.1)
     lease = claims["steps"].lease
     run(store.heartbeat(lease))
