@@ -271,7 +271,11 @@ class PostgresStore(SQLStore):
     # -- schema -------------------------------------------------------------------------
 
     async def migrate(self) -> list[int]:
-        return await asyncio.to_thread(Migrator("postgres", _MigrationTarget(self.url)).apply)
+        def apply() -> list[int]:
+            with _MigrationTarget(self.url) as target:
+                return Migrator("postgres", target).apply()
+
+        return await asyncio.to_thread(apply)
 
     async def close(self) -> None:
         """Close the connections opened from the running event loop."""
@@ -335,20 +339,42 @@ def _begun(plan: Callable[[], Plan[T]]) -> tuple[Plan[T], Round]:
 
 
 class _MigrationTarget:
-    """Applies migrations over a plain connection, serialised by an advisory lock."""
+    """Applies migrations over a plain connection, serialised by an advisory lock: in a
+    ``with`` block, one connection for all of them (a connection costs more than most
+    migrations: the suite opens hundreds of fresh stores); else one each."""
 
     LOCK = 0x6475726162  # "durab": one lock id for every durably migrator
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self._shared: psycopg.Connection[Any] | None = None
+
+    def __enter__(self) -> _MigrationTarget:
+        try:
+            self._shared = psycopg.connect(self.url, autocommit=True)
+        except psycopg.OperationalError as exc:
+            raise self._unavailable(exc) from exc
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared.close()
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[psycopg.Connection[Any]]:
+        # Autocommit: reads start no transaction, and each migration's is its own.
         try:
-            with psycopg.connect(self.url) as conn:
-                yield conn
+            if self._shared is not None:
+                yield self._shared
+            else:
+                with psycopg.connect(self.url, autocommit=True) as conn:
+                    yield conn
         except psycopg.OperationalError as exc:
-            raise StoreUnavailable(f"cannot migrate {shown_url(self.url)}: {exc}") from exc
+            raise self._unavailable(exc) from exc
+
+    def _unavailable(self, exc: psycopg.OperationalError) -> StoreUnavailable:
+        return StoreUnavailable(f"cannot migrate {shown_url(self.url)}: {exc}")
 
     def schema_version(self) -> int:
         with self._connect() as conn:
