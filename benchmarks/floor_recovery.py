@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -58,6 +59,13 @@ class Recovery:
     taken and renewed."""
     cpu_s: float
     """CPU of the recovering process (start-up included)."""
+
+
+def _env(log: Path) -> dict[str, str]:
+    """A child's environment: its step bodies logged to ``log``, on the URL it is given."""
+    env = {**os.environ, floor_app.LOG_ENV: str(log)}
+    env.pop("DURABLY_DATABASE_URL", None)
+    return env
 
 
 def _child(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -127,25 +135,35 @@ def _verify(app: durably.App, log: Path, runs: int, holder: int, fresh: int) -> 
     return min(recoveries), max(recoveries)
 
 
+@contextlib.contextmanager
+def holding(
+    app: durably.App, url: str, runs: int, lease_ttl_s: float | None, log: Path
+) -> Iterator[subprocess.Popen[str]]:
+    """A process holding ``runs`` new runs of ``chain``, each blocked in step 6 (its step
+    bodies logged to ``log``), from when all are blocked until the block ends: then it is
+    SIGKILLed. ``app``: on the same database, to check them."""
+    ttl = [] if lease_ttl_s is None else [str(lease_ttl_s)]
+    env = {**_env(log), floor_app.BLOCK_ENV: "1"}
+    holder = _child(["hold", url, str(runs), *ttl], env)
+    try:
+        _wait_blocked(app, log, runs, holder)
+        yield holder
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
 def measure(
     url: str, runs: int, concurrency: int, lease_ttl_s: float | None, log: Path
 ) -> Recovery:
     """One W3 measurement on the (fresh) database ``url``."""
-    env = {**os.environ, floor_app.LOG_ENV: str(log)}
-    env.pop("DURABLY_DATABASE_URL", None)
-    ttl = [] if lease_ttl_s is None else [str(lease_ttl_s)]
     app = durably.App(url)
     try:
         started = time.time()
-        holder = _child(["hold", url, str(runs), *ttl], {**env, floor_app.BLOCK_ENV: "1"})
-        try:
-            _wait_blocked(app, log, runs, holder)
+        with holding(app, url, runs, lease_ttl_s, log) as holder:
             blocked = time.time() - started
-        finally:
-            holder.send_signal(signal.SIGKILL)
-            holder.wait()
         launched = time.time()
-        fresh = _child(["recover", url, str(runs), str(concurrency)], env)
+        fresh = _child(["recover", url, str(runs), str(concurrency)], _env(log))
         out, _ = fresh.communicate(timeout=(lease_ttl_s or 30.0) + HOLD_TIMEOUT_S)
         if fresh.returncode != 0:
             raise CheckFailed(f"W3: the recovering process exited {fresh.returncode}")
