@@ -22,13 +22,37 @@ def sqlite_schema(path: Path) -> list[tuple[str, str]]:
 
 
 def test_sqlite_migrations_produce_the_snapshot(tmp_path: Path) -> None:
+    """Every migration in turn builds the schema a new database gets from the snapshot."""
     migrated = tmp_path / "migrated.db"
-    asyncio.run(SQLiteStore(f"sqlite:///{migrated}").migrate())
-    snapshot = tmp_path / "snapshot.db"
-    with sqlite3.connect(snapshot) as conn:
-        for statement in split_statements(schema_snapshot("sqlite")):
-            conn.execute(statement)
-    assert sqlite_schema(migrated) == sqlite_schema(snapshot)
+    store = SQLiteStore(f"sqlite:///{migrated}")
+    for m in migrations("sqlite"):
+        assert store.apply_migration(m.version, m.name, m.sql)
+    created = tmp_path / "created.db"
+    assert asyncio.run(SQLiteStore(f"sqlite:///{created}").migrate()) == [
+        m.version for m in migrations("sqlite")
+    ]
+    assert sqlite_schema(migrated) == sqlite_schema(created)
+    assert applied_migrations(migrated) == applied_migrations(created)
+
+
+def applied_migrations(path: Path) -> list[tuple[int, str]]:
+    with sqlite3.connect(path) as conn:
+        return conn.execute("SELECT version, name FROM durably_schema_migrations").fetchall()
+
+
+def test_a_new_database_that_fails_midway_is_left_empty(tmp_path: Path) -> None:
+    """The snapshot is one transaction: a failure in it leaves no table behind, and the
+    next migrate creates the schema whole."""
+    url = f"sqlite:///{tmp_path}/new.db"
+    store = SQLiteStore(url)
+    first = split_statements(schema_snapshot("sqlite"))[:3]
+    failing = ["CREATE TABLE positive (a CHECK (a > 0));", "INSERT INTO positive VALUES (0);"]
+    broken = "\n".join([*first, *failing])
+    with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+        store.create_schema(broken, migrations("sqlite"))
+    assert store.schema_version() == 0
+    assert sqlite_schema(tmp_path / "new.db") == []
+    assert asyncio.run(store.migrate()) == [m.version for m in migrations("sqlite")]
 
 
 def test_concurrent_stores_migrate_once(tmp_path: Path) -> None:
@@ -81,21 +105,27 @@ def postgres_catalog(url: str, schema: str) -> list[tuple[object, ...]]:
 def test_postgres_migrations_produce_the_snapshot(postgres_schema: str) -> None:
     import psycopg
 
-    from durably.store.postgres import PostgresStore
+    from durably.store.postgres import PostgresStore, _MigrationTarget
     from tests.conftest import POSTGRES_URL, postgres_schema_url
 
     migrated = postgres_schema_url(postgres_schema)
-    asyncio.run(PostgresStore(migrated).migrate())
+    with _MigrationTarget(migrated) as target:
+        for m in migrations("postgres"):
+            assert target.apply_migration(m.version, m.name, m.sql)
     snapshot_schema = f"{postgres_schema}_snap"
     with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
         conn.execute(f'CREATE SCHEMA "{snapshot_schema}"')
     try:
         snapshot = postgres_schema_url(snapshot_schema)
-        with psycopg.connect(snapshot, autocommit=True) as conn:
-            conn.execute(schema_snapshot("postgres").encode())
+        assert asyncio.run(PostgresStore(snapshot).migrate()) == [
+            m.version for m in migrations("postgres")
+        ]
         assert postgres_catalog(migrated, postgres_schema) == postgres_catalog(
             snapshot, snapshot_schema
         )
+        with psycopg.connect(migrated) as one, psycopg.connect(snapshot) as other:
+            applied = "SELECT version, name FROM durably_schema_migrations ORDER BY version"
+            assert one.execute(applied).fetchall() == other.execute(applied).fetchall()
     finally:
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA "{snapshot_schema}" CASCADE')

@@ -1,7 +1,9 @@
 """Versioned SQL migrations, shipped as package files: ``sql/<backend>/migrations/NNNN_name.sql``.
 
 Each backend also ships ``sql/<backend>/schema.sql``, the snapshot that applying every
-migration must produce (a test holds them together).
+migration must produce (a test holds them together). A new database is created from the
+snapshot, in one transaction that records every migration as applied; a database that
+has a schema already is brought up to date one migration at a time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class Migratable(Protocol):
 
     def apply_migration(self, version: int, name: str, sql: str) -> bool:
         """Apply one migration in one transaction; False if it was already applied."""
+
+    def create_schema(self, snapshot: str, applied: list[Migration]) -> bool:
+        """Create the schema from ``snapshot`` and record ``applied`` in one transaction;
+        False, and nothing done, if the database has a migrations table already."""
 
 
 def migrations(backend: str) -> list[Migration]:
@@ -76,6 +82,14 @@ class Migrator:
                 f"database {self.target.url} has schema version {current}, but this durably "
                 f"knows up to {newest_known}; upgrade durably (never downgrade a database)"
             )
+        # Faster than every migration in turn (one transaction, no table rebuilt), and a new
+        # database is all there or not at all.
+        if (
+            current == 0
+            and known
+            and self.target.create_schema(schema_snapshot(self.backend), known)
+        ):
+            return [m.version for m in known]
         return [
             m.version
             for m in known

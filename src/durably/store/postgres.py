@@ -32,7 +32,7 @@ from psycopg_pool import AsyncConnectionPool
 from durably.errors import InvalidTransition, StoreUnavailable
 from durably.store import pg_wire
 from durably.store.base import Committed, Expect, Lease, Transition, shown_url
-from durably.store.migrations import Migrator
+from durably.store.migrations import Migration, Migrator
 from durably.store.pg_group import Gathering, Write
 from durably.store.pg_wire import send_round
 from durably.store.plans import Plan, Query, Round, Rows
@@ -394,4 +394,15 @@ class _MigrationTarget:
             # A shipped migration file, never user input.
             conn.execute(sql.encode())
             conn.execute(_TEXT["record_migration"], {"version": version, "name": name})
+        return True
+
+    def create_schema(self, snapshot: str, applied: list[Migration]) -> bool:
+        with self._connect() as conn, conn.transaction():
+            conn.execute(_TEXT["migration_lock"], {"lock": self.LOCK})
+            exists = conn.execute(_TEXT["migrations_table"]).fetchone()
+            if exists and exists[0]:
+                return False
+            conn.execute(snapshot.encode())  # the shipped snapshot, never user input
+            for m in applied:
+                conn.execute(_TEXT["record_migration"], {"version": m.version, "name": m.name})
         return True

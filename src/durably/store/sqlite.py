@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 from durably.errors import ConfigurationError, StoreUnavailable
 from durably.store.base import shown_url
 from durably.store.gathering import Gather
-from durably.store.migrations import Migrator, split_statements
+from durably.store.migrations import Migration, Migrator, split_statements
 from durably.store.plans import Plan, Query, Round, Rows
 from durably.store.queries import numbered, queries
 from durably.store.sqlite_file import connect
@@ -315,6 +315,18 @@ class SQLiteStore(SQLStore):
             for statement in split_statements(sql):
                 db.execute(statement)
             _execute(db, ("record_migration", {"version": version, "name": name}), now)
+        return True
+
+    def create_schema(self, snapshot: str, applied: list[Migration]) -> bool:
+        with self._tx() as db:
+            now = time.time()
+            # Another process may have created it while we waited for the write lock.
+            if _execute(db, ("migrations_table", {}), now):
+                return False
+            for statement in split_statements(snapshot):
+                db.execute(statement)
+            for m in applied:
+                _execute(db, ("record_migration", {"version": m.version, "name": m.name}), now)
         return True
 
     async def close(self) -> None:
