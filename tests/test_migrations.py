@@ -131,8 +131,11 @@ def test_postgres_migrations_produce_the_snapshot(postgres_schema: str) -> None:
             conn.execute(f'DROP SCHEMA "{snapshot_schema}" CASCADE')
 
 
-def test_concurrent_postgres_migrations_apply_once(postgres_schema: str) -> None:
-    """Eight migrators racing on one empty schema: the advisory lock lets one apply each."""
+@pytest.mark.parametrize("shared", [False, True], ids=["connection_each", "one_connection"])
+def test_concurrent_postgres_migrations_apply_once(postgres_schema: str, shared: bool) -> None:
+    """Eight migrators racing on one empty schema: the advisory lock lets one create it, and
+    the others, once it is theirs, see that it did (a migrator holding one connection for
+    all its work found the table missing from its catalog cache, and created it again)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from durably.store.migrations import Migrator
@@ -140,10 +143,15 @@ def test_concurrent_postgres_migrations_apply_once(postgres_schema: str) -> None
     from tests.conftest import postgres_schema_url
 
     url = postgres_schema_url(postgres_schema)
+
+    def migrate(_: int) -> list[int]:
+        if not shared:
+            return Migrator("postgres", _MigrationTarget(url)).apply()
+        with _MigrationTarget(url) as target:
+            return Migrator("postgres", target).apply()
+
     with ThreadPoolExecutor(8) as pool:
-        results = list(
-            pool.map(lambda _: Migrator("postgres", _MigrationTarget(url)).apply(), range(8))
-        )
+        results = list(pool.map(migrate, range(8)))
     assert sorted(v for r in results for v in r) == [m.version for m in migrations("postgres")]
 
 

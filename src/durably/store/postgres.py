@@ -399,8 +399,8 @@ class _MigrationTarget:
     def create_schema(self, snapshot: str, applied: list[Migration]) -> bool:
         with self._connect() as conn, conn.transaction():
             conn.execute(_TEXT["migration_lock"], {"lock": self.LOCK})
-            exists = conn.execute(_TEXT["migrations_table"]).fetchone()
-            if exists and exists[0]:
+            row = conn.execute(_TEXT["migrations_table_committed"]).fetchone()
+            if row is None or row[0]:
                 return False
             conn.execute(snapshot.encode())  # the shipped snapshot, never user input
             for m in applied:

@@ -614,6 +614,13 @@ LISTEN durably_runnable;
 -- Whether the migrations table exists.
 SELECT to_regclass('durably_schema_migrations') IS NOT NULL;
 
+-- name: migrations_table_committed
+-- Whether the migrations table exists, read from the catalog's rows as of this statement:
+-- to_regclass reads a cache that, after the wait for the migration lock, may not have seen
+-- another migrator's commit yet.
+SELECT EXISTS (SELECT FROM pg_catalog.pg_class
+    WHERE relname = 'durably_schema_migrations' AND relnamespace = current_schema()::regnamespace);
+
 -- name: schema_version
 -- The newest migration applied.
 SELECT max(version) FROM durably_schema_migrations;
