@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,62 @@ def test_concurrent_postgres_migrations_apply_once(postgres_schema: str, shared:
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(migrate, range(8)))
     assert sorted(v for r in results for v in r) == [m.version for m in migrations("postgres")]
+
+
+def test_migrators_queued_on_a_schema_named_in_quotes_create_it_once(
+    postgres_server: str,
+) -> None:
+    """Four migrators wait for the migration lock on a new schema whose name needs quotes,
+    beside an empty schema named like it in lower case; let go at once, one creates it and
+    the others see that it did, in their own schema, not in its lower-case twin."""
+    import urllib.parse
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psycopg
+
+    from durably.store.migrations import Migrator
+    from durably.store.postgres import _MigrationTarget
+    from tests.conftest import POSTGRES_URL
+
+    quoted = f"Durably_Test_{uuid.uuid4().hex[:8]}.x"
+    twin = quoted.lower()
+    options = urllib.parse.quote(f'-csearch_path="{quoted}"', safe="")
+    url = f"{POSTGRES_URL}?options={options}"
+
+    def migrate(_: int) -> list[int]:
+        with _MigrationTarget(url) as target:
+            return Migrator("postgres", target).apply()
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE SCHEMA "{quoted}"')
+        admin.execute(f'CREATE SCHEMA "{twin}"')
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                with admin.transaction():
+                    admin.execute("SELECT pg_advisory_xact_lock(%s)", (_MigrationTarget.LOCK,))
+                    racing = [pool.submit(migrate, i) for i in range(4)]
+                    while admin.execute(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                    ).fetchone() != (4,):
+                        time.sleep(0.01)
+                applied = [f.result() for f in racing]
+            assert sorted(v for a in applied for v in a) == [
+                m.version for m in migrations("postgres")
+            ]
+            recorded = admin.execute(
+                f'SELECT version FROM "{quoted}".durably_schema_migrations ORDER BY version'
+            ).fetchall()
+            assert [v for (v,) in recorded] == [m.version for m in migrations("postgres")]
+            in_twin = admin.execute(
+                "SELECT count(*) FROM pg_class WHERE relnamespace = "
+                "(SELECT oid FROM pg_namespace WHERE nspname = %s)",
+                (twin,),
+            ).fetchone()
+            assert in_twin == (0,)
+        finally:
+            admin.execute(f'DROP SCHEMA "{quoted}" CASCADE')
+            admin.execute(f'DROP SCHEMA "{twin}" CASCADE')
 
 
 def test_postgres_statuses_become_domains_in_place_over_existing_rows(postgres_schema: str) -> None:

@@ -22,13 +22,14 @@ STORE = Path(__file__).resolve().parents[2] / "src" / "durably" / "store"
 OWN = {
     # SQLite's RETURNING shows only the new row: a claim reads the run, then leases it.
     "sqlite": {"take_lease"},
-    # LISTEN/NOTIFY and the migrators' advisory lock exist only there; so does a
-    # data-modifying WITH, which makes a step's commit and an execution's ending one
-    # statement each.
+    # LISTEN/NOTIFY and the migrators' advisory lock exist only there (and the catalog read
+    # after waiting for it); so does a data-modifying WITH, which makes a step's commit and
+    # an execution's ending one statement each.
     "postgres": {
         "listen",
         "notify",
         "migration_lock",
+        "migrations_table_committed",
         "commit_step",
         "commit_at",
         # A planner setting around a batch's claim (SQLite's planner needs none).

@@ -617,9 +617,11 @@ SELECT to_regclass('durably_schema_migrations') IS NOT NULL;
 -- name: migrations_table_committed
 -- Whether the migrations table exists, read from the catalog's rows as of this statement:
 -- to_regclass reads a cache that, after the wait for the migration lock, may not have seen
--- another migrator's commit yet.
+-- another migrator's commit yet. The schema by its name as it is (a regnamespace cast would
+-- parse it again: "Agents" would become agents).
 SELECT EXISTS (SELECT FROM pg_catalog.pg_class
-    WHERE relname = 'durably_schema_migrations' AND relnamespace = current_schema()::regnamespace);
+    WHERE relname = 'durably_schema_migrations' AND relnamespace =
+        (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = current_schema()));
 
 -- name: schema_version
 -- The newest migration applied.
