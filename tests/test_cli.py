@@ -23,7 +23,7 @@ from click.testing import CliRunner, Result
 from durably.cli import cli
 from durably.store import open_store
 from durably.store.migrations import migrations
-from tests.conftest import execute_sql
+from tests.conftest import execute_sql, fetch_sql
 
 APP_MODULE = "clitestapp"
 
@@ -703,6 +703,43 @@ def test_migrate_with_only_db(project: Path) -> None:
     assert "nothing to apply" in ok("--db", url, "migrate", app=None)
     # The migrated database is usable by an app.
     assert ok_json("--db", url, "runs", "list") == []
+
+
+def test_migrate_over_a_table_durably_did_not_create_says_so(
+    project: Path, database_url: str
+) -> None:
+    """A new database already holding a ``durably_runs`` of someone else's: ``migrate``
+    says which statement failed and on what, exits 1, and creates nothing."""
+    execute_sql(database_url, "CREATE TABLE durably_runs (note TEXT)")
+    execute_sql(database_url, "INSERT INTO durably_runs VALUES ('theirs')")
+    result = durably("--db", database_url, "migrate", app=None)
+    assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)
+    assert result.stderr.startswith("error: cannot migrate ")
+    assert "creating its schema failed" in result.stderr
+    assert "durably_runs" in result.stderr
+    assert "already exists" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert fetch_sql(database_url, "SELECT * FROM durably_runs") == [("theirs",)]
+    with pytest.raises(Exception, match="durably_schema_migrations"):
+        fetch_sql(database_url, "SELECT * FROM durably_schema_migrations")
+
+
+def test_a_migration_that_fails_is_named_and_leaves_the_schema_as_it_was(
+    project: Path, database_url: str
+) -> None:
+    """A database whose newest migration is recorded as not applied while its objects are
+    there: ``migrate`` names that migration, exits 1, and records nothing."""
+    ok("--db", database_url, "migrate", app=None)
+    (newest,) = fetch_sql(database_url, "SELECT max(version) FROM durably_schema_migrations")[0]
+    execute_sql(database_url, "DELETE FROM durably_schema_migrations WHERE version = ?", (newest,))
+    result = durably("--db", database_url, "migrate", app=None)
+    assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)
+    assert result.stderr.startswith("error: cannot migrate ")
+    assert f"migration {newest:04d}_" in result.stderr
+    assert " failed: " in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    versions = fetch_sql(database_url, "SELECT version FROM durably_schema_migrations")
+    assert sorted(v for (v,) in versions) == list(range(1, newest))
 
 
 def test_every_command_has_help(project: Path) -> None:

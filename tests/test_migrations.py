@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from durably.errors import StoreError
 from durably.store.migrations import migrations, schema_snapshot, split_statements
 from durably.store.sqlite import SQLiteStore
 
@@ -49,7 +50,7 @@ def test_a_new_database_that_fails_midway_is_left_empty(tmp_path: Path) -> None:
     first = split_statements(schema_snapshot("sqlite"))[:3]
     failing = ["CREATE TABLE positive (a CHECK (a > 0));", "INSERT INTO positive VALUES (0);"]
     broken = "\n".join([*first, *failing])
-    with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+    with pytest.raises(StoreError, match="creating its schema failed: CHECK constraint"):
         store.create_schema(broken, migrations("sqlite"))
     assert store.schema_version() == 0
     assert sqlite_schema(tmp_path / "new.db") == []

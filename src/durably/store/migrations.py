@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Protocol
 
-from durably.errors import SchemaTooNew
+from durably.errors import SchemaTooNew, StoreError
 
 _NAME = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
@@ -51,6 +51,16 @@ def migrations(backend: str) -> list[Migration]:
 
 def schema_snapshot(backend: str) -> str:
     return (resources.files("durably.store") / "sql" / backend / "schema.sql").read_text()
+
+
+def refused(url: str, what: str, exc: Exception) -> StoreError:
+    """The database refused a statement of durably's schema: no outage, and no retry would
+    pass it (a table of that name that is someone else's, say)."""
+    detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return StoreError(
+        f"cannot migrate {url}: {what} failed: {detail}. durably's tables (durably_*) "
+        "must be its own: give it a new database (or PostgreSQL schema), or one it created"
+    )
 
 
 def split_statements(script: str) -> list[str]:

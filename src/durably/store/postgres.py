@@ -32,7 +32,7 @@ from psycopg_pool import AsyncConnectionPool
 from durably.errors import InvalidTransition, StoreUnavailable
 from durably.store import pg_wire
 from durably.store.base import Committed, Expect, Lease, Transition, shown_url
-from durably.store.migrations import Migration, Migrator
+from durably.store.migrations import Migration, Migrator, refused
 from durably.store.pg_group import Gathering, Write
 from durably.store.pg_wire import send_round
 from durably.store.plans import Plan, Query, Round, Rows
@@ -391,8 +391,7 @@ class _MigrationTarget:
             conn.execute(_TEXT["create_migrations_table"])
             if conn.execute(_TEXT["migration_applied"], {"version": version}).fetchone():
                 return False
-            # A shipped migration file, never user input.
-            conn.execute(sql.encode())
+            self._schema_statements(conn, sql, f"migration {version:04d}_{name}")
             conn.execute(_TEXT["record_migration"], {"version": version, "name": name})
         return True
 
@@ -402,7 +401,17 @@ class _MigrationTarget:
             row = conn.execute(_TEXT["migrations_table_committed"]).fetchone()
             if row is None or row[0]:
                 return False
-            conn.execute(snapshot.encode())  # the shipped snapshot, never user input
+            self._schema_statements(conn, snapshot, "creating its schema")
             for m in applied:
                 conn.execute(_TEXT["record_migration"], {"version": m.version, "name": m.name})
         return True
+
+    def _schema_statements(self, conn: psycopg.Connection[Any], script: str, what: str) -> None:
+        """``script``, a shipped migration or snapshot (never user input); a statement the
+        server refuses (not a lost connection: an outage) raises :func:`refused`."""
+        try:
+            conn.execute(script.encode())
+        except psycopg.OperationalError:
+            raise
+        except psycopg.Error as exc:
+            raise refused(shown_url(self.url), what, exc) from exc

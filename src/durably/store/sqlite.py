@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 from durably.errors import ConfigurationError, StoreUnavailable
 from durably.store.base import shown_url
 from durably.store.gathering import Gather
-from durably.store.migrations import Migration, Migrator, split_statements
+from durably.store.migrations import Migration, Migrator, refused, split_statements
 from durably.store.plans import Plan, Query, Round, Rows
 from durably.store.queries import numbered, queries
 from durably.store.sqlite_file import connect
@@ -312,8 +312,7 @@ class SQLiteStore(SQLStore):
             # Another process may have applied it while we waited for the write lock.
             if _execute(db, ("migration_applied", {"version": version}), now):
                 return False
-            for statement in split_statements(sql):
-                db.execute(statement)
+            self._schema_statements(db, sql, f"migration {version:04d}_{name}")
             _execute(db, ("record_migration", {"version": version, "name": name}), now)
         return True
 
@@ -323,11 +322,22 @@ class SQLiteStore(SQLStore):
             # Another process may have created it while we waited for the write lock.
             if _execute(db, ("migrations_table", {}), now):
                 return False
-            for statement in split_statements(snapshot):
-                db.execute(statement)
+            self._schema_statements(db, snapshot, "creating its schema")
             for m in applied:
                 _execute(db, ("record_migration", {"version": m.version, "name": m.name}), now)
         return True
+
+    def _schema_statements(self, db: sqlite3.Connection, script: str, what: str) -> None:
+        """``script``'s statements; a statement SQLite refuses (not a busy, full or damaged
+        file: an outage) raises :func:`refused`."""
+        try:
+            for statement in split_statements(script):
+                db.execute(statement)
+        except sqlite3.Error as exc:
+            code = getattr(exc, "sqlite_errorcode", None)
+            if type(exc) in _OUTAGES and (code is None or code & 0xFF != sqlite3.SQLITE_ERROR):
+                raise
+            raise refused(self.url, what, exc) from exc
 
     async def close(self) -> None:
         with self._lock:
