@@ -339,9 +339,8 @@ def _begun(plan: Callable[[], Plan[T]]) -> tuple[Plan[T], Round]:
 
 
 class _MigrationTarget:
-    """Applies migrations over a plain connection, serialised by an advisory lock: in a
-    ``with`` block, one connection for all of them (a connection costs more than most
-    migrations: the suite opens hundreds of fresh stores); else one each."""
+    """Applies migrations in a ``with`` block, over one plain connection for all of them (a
+    connection costs more than most migrations), serialised by an advisory lock."""
 
     LOCK = 0x6475726162  # "durab": one lock id for every durably migrator
 
@@ -351,6 +350,7 @@ class _MigrationTarget:
 
     def __enter__(self) -> _MigrationTarget:
         try:
+            # Autocommit: reads start no transaction, and each migration's is its own.
             self._shared = psycopg.connect(self.url, autocommit=True)
         except psycopg.OperationalError as exc:
             raise self._unavailable(exc) from exc
@@ -363,13 +363,9 @@ class _MigrationTarget:
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[psycopg.Connection[Any]]:
-        # Autocommit: reads start no transaction, and each migration's is its own.
+        assert self._shared is not None, "a _MigrationTarget is used in a with block"
         try:
-            if self._shared is not None:
-                yield self._shared
-            else:
-                with psycopg.connect(self.url, autocommit=True) as conn:
-                    yield conn
+            yield self._shared
         except psycopg.OperationalError as exc:
             raise self._unavailable(exc) from exc
 
