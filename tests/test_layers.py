@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "durably.stops": 3,
     "durably.context": 3,
     "durably.runtime": 3,
+    "durably.steps": 3,
     "durably.verification": 3,
     "durably.effect": 3,
     "durably.waits": 3,

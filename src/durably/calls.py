@@ -8,6 +8,7 @@ framework's tool call id) is matched by that id alone, at position 0.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Coroutine
 from contextvars import ContextVar
@@ -51,6 +52,7 @@ class CallIdentity:
     by_position: dict[tuple[str, int], StepRecord]
     reached: dict[str, None]
     unawaited: dict[str, tuple[str, Coroutine[Any, Any, Any]]]
+    starting: dict[str, asyncio.Future[None]]
 
     def check_running(self) -> None:
         raise NotImplementedError
@@ -100,7 +102,16 @@ class CallIdentity:
         return call
 
     def started(self, step_id: str) -> None:
+        """The call at ``step_id`` began (awaited, or its task ran): it is no longer
+        un-awaited, but starting until it is in flight or ends (:meth:`begun`)."""
         self.unawaited.pop(step_id, None)
+        self.starting[step_id] = asyncio.get_running_loop().create_future()
+
+    def begun(self, step_id: str) -> None:
+        """The call at ``step_id`` is in flight, replayed, or ended before either."""
+        begun = self.starting.pop(step_id, None)
+        if begun is not None and not begun.done():
+            begun.set_result(None)
 
     def drop_unawaited(self) -> list[str]:
         """Close the calls never awaited (so none warns later) and name them."""

@@ -90,6 +90,10 @@ class RunContext(CallIdentity, JoinsApprovals):
     unawaited: dict[str, tuple[str, Coroutine[Any, Any, Any]]] = field(default_factory=dict)
     """Calls created (their step id allocated) but not awaited yet, by step id: one left
     at the end of the workflow is a missing ``await``, and its effect never happened."""
+    starting: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    """Calls begun (awaited, or their task ran) and not yet in flight nor ended, by step id:
+    such a call, made from a task the workflow did not wait for, still lands when the
+    workflow returns (:meth:`let_started_calls_start`)."""
     inflight: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     """Tool executions between their call and their recorded outcome."""
     signals: list[Signal] = field(default_factory=list)
@@ -97,6 +101,9 @@ class RunContext(CallIdentity, JoinsApprovals):
     cancel_requested: int = 0
     """0: no; 1: cancel at the next boundary; 2: cancel and compensate."""
     cancelling: bool = False
+    cancel_raised: bool = False
+    """Set once a call boundary stopped the run for its cancellation: the run ends cancelled
+    even if workflow code caught the stop (``except BaseException``) and returned."""
     pause_requested: dict[str, Any] | None = None
     """An operator's pause request (the error the paused run shows): the run pauses at its
     next boundary."""
@@ -296,6 +303,13 @@ class RunContext(CallIdentity, JoinsApprovals):
         if pending:
             await asyncio.wait([asyncio.shield(f) for f in pending])
 
+    async def let_started_calls_start(self) -> None:
+        """Before the workflow's return ends the run: wait until every call begun in a task
+        it left running is in flight (its outcome is then waited for) or has ended, so that
+        none is dropped halfway through its start."""
+        while self.starting and not self.closing:
+            await asyncio.wait([asyncio.shield(f) for f in self.starting.values()])
+
     async def after_recovered_calls(self) -> None:
         """A new tool call of a ``reconciling`` run waits while a call the run found
         unsettled on recovery, which another branch has reached, is still being settled:
@@ -313,13 +327,13 @@ class RunContext(CallIdentity, JoinsApprovals):
         if self.closing:
             raise Suspend
 
-    def in_flight(self, call: int, *, asking: bool = False) -> InFlight:
+    def in_flight(self, call: int, step_id: str, *, asking: bool = False) -> InFlight:
         """A tool call between its start and its recorded outcome: the run is released only
         after it lands. None starts once the execution is closing, but one ``asking`` for
         an approval while the run is being suspended for approvals: it only joins them."""
         if self.closing and not (asking and self.awaited is not None):
             raise Suspend
-        return InFlight(self, call)
+        return InFlight(self, call, step_id)
 
     def landed(self, call: int) -> None:
         done = self.inflight.pop(call, None)
@@ -331,6 +345,7 @@ class RunContext(CallIdentity, JoinsApprovals):
         asked, or release it if the worker is shutting down. Never in the middle of an
         effect."""
         if self.cancel_requested and not self.cancelling:
+            self.cancel_raised = True
             raise Cancel
         if self.pause_requested is not None and not self.cancelling and not self.stopped:
             await self.release(lambda: self.commit(lambda: operator_paused(self)))
@@ -421,14 +436,16 @@ class InFlight:
     """``async with ctx.in_flight(call)``: a class, not an @asynccontextmanager, because
     every step enters one, and a generator-based one costs several times as much."""
 
-    __slots__ = ("_call", "_ctx")
+    __slots__ = ("_call", "_ctx", "_step_id")
 
-    def __init__(self, ctx: RunContext, call: int) -> None:
+    def __init__(self, ctx: RunContext, call: int, step_id: str) -> None:
         self._ctx = ctx
         self._call = call
+        self._step_id = step_id
 
     async def __aenter__(self) -> None:
         self._ctx.inflight[self._call] = asyncio.get_running_loop().create_future()
+        self._ctx.begun(self._step_id)
 
     async def __aexit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         self._ctx.landed(self._call)

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any, Generic, Literal, ParamSpec, Protocol, TypeVar, cast, overload
 
-from durably import context, runtime
+from durably import context, steps
 from durably.calls import PATCH
 from durably.definitions import (
     Budget,
@@ -63,7 +63,7 @@ class Durable(Generic[P, R]):
         if isinstance(self.definition, ToolDef):
             call = Effect(ctx, self.definition, args, kwargs, self._step_id)
             return ctx.created(call.step_id, call.tool.name, call.settle())
-        return runtime.call_step(ctx, self.definition, args, kwargs, self._step_id)
+        return steps.call_step(ctx, self.definition, args, kwargs, self._step_id)
 
 
 def check_step_id(step_id: str) -> None:
@@ -285,7 +285,7 @@ class Registration:
             check_step_id(step_id)
         retry = retry or RetryPolicy()
         definition = StepDef(name, fn, "1", retry, signature_of(fn), canonical, model)
-        return runtime.call_step(context.active(), definition, args, kwargs, step_id)
+        return steps.call_step(context.active(), definition, args, kwargs, step_id)
 
     def model(
         self,

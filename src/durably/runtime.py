@@ -1,4 +1,5 @@
-"""Executes a workflow coroutine against its journal: replay, step calls, suspension.
+"""Executes a workflow coroutine against its journal: replay, suspension, and how the run
+ends (a step's own call is :mod:`durably.steps`).
 
 A workflow is a durable function. Every time a run is resumed its coroutine starts again
 from the top; each step or tool call at a position that the journal already settled returns
@@ -11,12 +12,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NoReturn
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-from durably import context, faults, model_calls
+from durably import context
 from durably.checkpoint import PRUNE_EVERY, JournalState
-from durably.definitions import StepDef, WorkflowDef, bind_arguments, invoke
+from durably.definitions import WorkflowDef
 from durably.effect import compensate
 from durably.errors import (
     CheckpointCorrupted,
@@ -29,20 +30,20 @@ from durably.errors import (
     PayloadTooLarge,
     ReplayBlocked,
     RunStopped,
-    StepFailed,
     StoreUnavailable,
 )
 from durably.execution import Cancel, RunContext, Suspend, ending, error_dict
-from durably.keys import canonical_json, input_hash, json_value, sha256_hex
-from durably.status import OperationStatus, PauseReason, RunStatus, StepStatus
+from durably.keys import canonical_json, sha256_hex
+from durably.status import OperationStatus, PauseReason, RunStatus
 from durably.store.base import (
     Claim,
     EventWrite,
+    OperationRecord,
     RunRecord,
     RunUpdate,
-    StepWrite,
     Transition,
 )
+from durably.values import storable_text
 from durably.verification import verified
 
 if TYPE_CHECKING:
@@ -58,156 +59,6 @@ _PAUSE_REASONS: dict[type[BaseException], PauseReason] = {
     NotAwaited: PauseReason.CALL_NOT_AWAITED,
     ReplayBlocked: PauseReason.REPLAY_BLOCKED,
 }
-
-
-def call_step(
-    ctx: RunContext,
-    sdef: StepDef,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    explicit: str | None,
-) -> Coroutine[Any, Any, Any]:
-    """Allocate the call's step id now (creation order is the deterministic order, also
-    for calls gathered in parallel) and return the coroutine that runs or replays it."""
-    step_id, position = ctx.allocate(sdef.name, explicit)
-    ctx.count("steps")
-    if sdef.canonical is not None:
-        arguments = {"canonical": sdef.canonical(*args, **kwargs)}
-    else:
-        arguments = bind_arguments(sdef, args, kwargs)
-    ih = input_hash(sdef.name, sdef.version, arguments)
-    ctx.replayed(step_id, position, "step", sdef.name, ih)
-    call = StepCall(ctx, sdef, step_id, position, ih, arguments)
-    return ctx.created(step_id, sdef.name, call.settle(args, kwargs))
-
-
-@dataclass(slots=True, eq=False)
-class StepCall:
-    """One call of a step: replayed from the journal, or run (with retries) and recorded."""
-
-    ctx: RunContext
-    sdef: StepDef
-    step_id: str
-    position: int
-    input_hash: str
-    arguments: dict[str, Any]
-    """What the input hash covers: a model call's record keeps it as its input."""
-
-    async def settle(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        ctx = self.ctx
-        ctx.started(self.step_id)
-        recorded = ctx.steps.get(self.step_id)
-        if recorded is not None and recorded.status is StepStatus.SUCCEEDED:
-            value = json_value(recorded.output_json or "null")
-            await self._charge(recorded.model_call)
-            return value
-        if recorded is not None and recorded.status is StepStatus.FAILED:
-            raise _step_failed(ctx, self.step_id, recorded.error or {})
-        await ctx.boundary()
-        await ctx.check_budget()
-        attempt = 0
-        while True:
-            attempt += 1
-            # A step another worker may have recorded already is not run again (model calls
-            # cost money), nor one whose result this process could no longer record.
-            ctx.hold_lease()
-            # In flight from its start to its record: a parallel branch that releases the run
-            # waits for it, rather than let a finished step (a paid model call) run again.
-            async with ctx.in_flight(id(self)):
-                started = time.monotonic()
-                try:
-                    value = await invoke(self.sdef.fn, *args, **kwargs)
-                except Exception as exc:
-                    if attempt >= self.sdef.retry.max_attempts:
-                        await self._record_failure(attempt, exc)
-                    log.info("step %s attempt %d failed (%r); retrying", self.step_id, attempt, exc)
-                else:
-                    model_call = await self._record(attempt, value, time.monotonic() - started)
-                    break
-            await asyncio.sleep(self.sdef.retry.delay_s(attempt))
-        await self._charge(model_call)
-        return value
-
-    def _write(self, status: StepStatus, attempt: int, **changes: Any) -> StepWrite:
-        return StepWrite(
-            self.step_id,
-            self.position,
-            "step",
-            self.sdef.name,
-            status,
-            self.input_hash,
-            attempts=attempt,
-            new_row=self.step_id not in self.ctx.steps,
-            **changes,
-        )
-
-    async def _record(self, attempt: int, value: Any, latency_s: float) -> dict[str, Any] | None:
-        """Record the result (a model call's with its record, which this returns)."""
-        ctx = self.ctx
-        limit = ctx.engine.max_payload_bytes
-        output_json = canonical_json(value, what=f"the result of step {self.step_id}", limit=limit)
-        output_hash = sha256_hex(output_json)
-        payload = {"name": self.sdef.name, "output_hash": output_hash}
-        model_call = None
-        if self.sdef.model is not None:
-            model_call = model_calls.record(
-                self.sdef.model,
-                run_id=ctx.run.run_id,
-                step_id=self.step_id,
-                arguments=self.arguments,
-                answer=value,  # JSON already: canonical_json accepted it
-                latency_s=latency_s,
-                limit=limit,
-            )
-            payload["model_call_id"] = model_call["model_call_id"]
-        await ctx.commit(
-            lambda: Transition(
-                events=[EventWrite("step_succeeded", self.step_id, payload)],
-                step=self._write(
-                    StepStatus.SUCCEEDED,
-                    attempt,
-                    output_json=output_json,
-                    settle=True,
-                    model_call=model_call,
-                ),
-                checkpoint=ctx.journal.periodic(current_step=self.step_id),
-            ),
-            settle=(self.step_id, output_hash),
-        )
-        # Result, event and any checkpoint are one transaction: checkpoint.after_write (fired
-        # by the commit when it held one) and this window are the same moment.
-        faults.crash_point("step.after_record")
-        return model_call
-
-    async def _charge(self, model_call: dict[str, Any] | None) -> None:
-        """Charge a model call's recorded usage to the run's budget (first execution and
-        replay alike), pausing the run here if that puts it over."""
-        if model_call is None:
-            return
-        tokens, cost = model_calls.charges(model_call)
-        self.ctx.count("tokens", tokens)
-        self.ctx.count("cost", cost)
-        await self.ctx.check_budget()
-
-    async def _record_failure(self, attempt: int, exc: Exception) -> NoReturn:
-        error = error_dict(exc)
-        await self.ctx.commit(
-            Transition(
-                events=[EventWrite("step_failed", self.step_id, {"name": self.sdef.name, **error})],
-                step=self._write(StepStatus.FAILED, attempt, error=error),
-            )
-        )
-        raise _step_failed(self.ctx, self.step_id, error) from exc
-
-
-def _step_failed(ctx: RunContext, step_id: str, error: dict[str, Any]) -> StepFailed:
-    return StepFailed(
-        f"step {step_id} failed: {error.get('type')}: {error.get('message')}",
-        run_id=ctx.run.run_id,
-        step_id=step_id,
-        error_type=str(error.get("type", "")),
-        error_message=str(error.get("message", "")),
-    )
 
 
 async def load_context(engine: Engine, claim: Claim) -> RunContext:
@@ -324,9 +175,22 @@ async def _execute(ctx: RunContext, wf: WorkflowDef) -> None:
         # A divergence: paused below once the calls still in flight have landed.
     except Exception as exc:
         outcome = exc
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise  # this execution itself is being cancelled
+        # Raised by the workflow's own code (a tool's cancellation it passed on): a failure
+        # of the workflow, not a stop of the worker running it.
+        outcome = exc
     else:
+        await ctx.let_started_calls_start()
         # A what-if replay must also have made every call its source recorded.
         outcome = _not_awaited(ctx, ctx.drop_unawaited()) if ctx.unawaited else ctx.unreached()
+    if ctx.cancel_raised and not ctx.stopped:
+        # The workflow caught its cancellation and went on (every later call stopped too):
+        # the run is cancelled all the same.
+        await _cancel(ctx)
+        return
     # A branch cancelled while it released the run finishes that release first, and
     # parallel calls may still be executing: record their outcomes before the run ends.
     await ctx.wind_up()
@@ -336,6 +200,12 @@ async def _execute(ctx: RunContext, wf: WorkflowDef) -> None:
         # re-raised as something else by workflow code: nothing more is written.
         return
     failure = ctx.poisoned or outcome
+    unknown = _unknown_outcomes(ctx)
+    if unknown and (failure is None or type(failure) not in _PAUSE_REASONS):
+        # Ending now (completed, or failed: final) would leave effects that may have happened
+        # unsettled for good: a person settles them first.
+        await _pause_for_unknown(ctx, unknown, failure)
+        return
     if failure is not None:
         reason = _PAUSE_REASONS.get(type(failure))
         if reason is not None:
@@ -349,6 +219,62 @@ async def _execute(ctx: RunContext, wf: WorkflowDef) -> None:
 
 
 _UNSETTLED = (OperationStatus.EXECUTING, OperationStatus.UNKNOWN, OperationStatus.RECONCILING)
+
+
+def _unknown_outcomes(ctx: RunContext) -> list[OperationRecord]:
+    """The run's calls with no known outcome once its workflow has ended and every call in
+    flight has landed, oldest first: calls a recovery found unsettled that the replay never
+    reached again (a branch cancelled before it got there, code that changed its mind), or a
+    call whose tool ended in something no outcome could be recorded for."""
+    return sorted(
+        (op for op in ctx.operations.values() if op.status in _UNSETTLED),
+        key=lambda op: op.created_at,
+    )
+
+
+async def _pause_for_unknown(
+    ctx: RunContext, unknown: list[OperationRecord], failure: BaseException | None
+) -> None:
+    """Pause the run ``effect_state_unknown`` for the calls in ``unknown``: each is settled
+    by hand (``durably resolve``), then ``resume`` ends the run as its workflow does."""
+    first = unknown[0]
+    calls = ", ".join(f"{op.tool} at {op.step_id}" for op in unknown)
+    ended = "returned" if failure is None else f"raised {type(failure).__name__}"
+    error = {
+        "type": "EffectPaused",
+        "message": storable_text(
+            f"the workflow {ended}, but {len(unknown)} call(s) it made have no known outcome "
+            f"(left behind by a crash and not reached again, or cut off by a stop): {calls}. "
+            "Each may have taken effect: check the external system, then run `durably "
+            f"resolve {ctx.run.run_id} {first.step_id} --succeeded|--not-executed|--failed`; "
+            "the run then goes on, and pauses again for the next"
+        ),
+        "idempotency_keys": [op.idempotency_key for op in unknown],
+    }
+    reason = PauseReason.EFFECT_STATE_UNKNOWN.value
+    pending = {
+        "tool": first.tool,
+        "step_id": first.step_id,
+        "idempotency_key": first.idempotency_key,
+        "status": first.status.value,
+    }
+    # The workflow has ended: running it again settles nothing (see Worker.recheck_paused).
+    waiting = {**pending, "workflow_ended": True}
+    try:
+        await ctx.commit(
+            lambda: Transition(
+                events=[EventWrite("run_paused", None, {"reason": reason, **error})],
+                run=RunUpdate(
+                    RunStatus.PAUSED, status_reason=reason, error=error, waiting_for=waiting
+                ),
+                checkpoint=ctx.journal.draft(
+                    status=RunStatus.PAUSED, current_step=first.step_id, pending_action=pending
+                ),
+                release=True,
+            )
+        )
+    except (LeaseLostError, StoreUnavailable, Suspend) as lost:
+        log.warning("run %s: could not record its pause (%r)", ctx.run.run_id, lost)
 
 
 async def _reconciling(ctx: RunContext) -> None:

@@ -240,7 +240,8 @@ class Worker:
 
     async def recheck_paused(self, *, limit: int = 100) -> list[str]:
         """Queue again the runs paused ``effect_state_unknown`` for at least
-        ``recheck_paused`` at a tool that can reconcile; returns their ids."""
+        ``recheck_paused`` at a call of a tool that can reconcile, which their replay reaches
+        again (not one left unsettled when the workflow had ended); returns their ids."""
         if self.recheck_paused_s is None:
             return []
         store = self.engine.store
@@ -251,6 +252,7 @@ class Worker:
             tool = self.engine.registry.tool_def(str(waiting.get("tool")), missing_ok=True)
             if (
                 run.status_reason != PauseReason.EFFECT_STATE_UNKNOWN
+                or waiting.get("workflow_ended")
                 or tool is None
                 or not tool.can_reconcile
                 or f"{run.workflow}|{run.workflow_version}" not in self.engine.registry.versions

@@ -5,6 +5,7 @@ record would be left executing, its run running with nothing recorded."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -81,3 +82,134 @@ def test_a_cancelled_call_whose_run_then_ends_is_recorded_before_the_release(
     assert sent == Counter({"ana": 1})
     [effect] = app.describe(run.run_id)["effects"]
     assert effect["status"] == "succeeded"
+
+
+def test_a_tool_that_acts_then_raises_a_cancellation_leaves_its_outcome_unknown_not_executing(
+    make_app: MakeApp,
+) -> None:
+    """A cancellation coming out of the tool itself (its HTTP client cancelled, a group
+    holding one) is no failure the tool reported: the effect may stand. The workflow catches
+    it, as frameworks catch everything, and goes on: the run pauses for the unknown outcome
+    instead of completing with the call left ``executing``."""
+    app = make_app()
+    sent = Counter[str]()
+
+    @app.tool()
+    async def charge(card: str) -> str:
+        sent[card] += 1
+        raise asyncio.CancelledError  # after the effect: the answer never came back
+
+    @app.workflow()
+    async def agent() -> str:
+        with contextlib.suppress(BaseException):  # what agent frameworks do
+            await charge.with_step_id("call_1")("visa")
+        return "done"
+
+    run = app.run(agent)
+    assert run.status is RunStatus.PAUSED, run
+    assert run.status_reason == "effect_state_unknown"
+    assert run.waiting_for is not None
+    assert run.waiting_for["step_id"] == "call_1"
+    [effect] = app.describe(run.run_id)["effects"]
+    assert effect["status"] == "unknown"
+    assert sent == Counter({"visa": 1})
+
+
+def test_a_cancellation_a_tool_raises_through_the_workflow_pauses_the_run_not_the_worker(
+    make_app: MakeApp,
+) -> None:
+    app = make_app()
+    deliveries: dict[str, Counter[str]] = {}  # the service's own records, by idempotency key
+
+    @app.tool(idempotent=True)
+    async def ship(order: str) -> str:
+        deliveries.setdefault(durably.idempotency_key(), Counter())[order] += 1
+        if order == "o-1":
+            raise asyncio.CancelledError
+        return order
+
+    @app.workflow()
+    async def agent(order: str) -> str:
+        return await ship.with_step_id("call_1")(order)
+
+    cut = app.start(agent, "o-1")
+    fine = app.start(agent, "o-2")
+    assert app.worker(concurrency=2).run(until_idle=True) == 2
+    run = app.get_run(cut)
+    assert run.status is RunStatus.PAUSED, run
+    assert run.status_reason == "effect_state_unknown"
+    [effect] = app.describe(run.run_id)["effects"]
+    assert effect["status"] == "unknown"
+    assert app.get_run(fine).status is RunStatus.COMPLETED
+    assert sorted(sum(c.values()) for c in deliveries.values()) == [1, 1]
+
+
+def test_a_run_whose_workflow_swallows_its_cancellation_ends_cancelled(make_app: MakeApp) -> None:
+    """Frameworks catch everything: the cancellation stops each later call, and the workflow,
+    having caught every stop, returns. The run is cancelled, not completed."""
+    app = make_app()
+    sent = Counter[str]()
+
+    @app.step()
+    async def plan() -> str:
+        await app.cancel_async(durably.current_run().run_id)  # an operator, meanwhile
+        return "two emails"
+
+    @app.tool(idempotent=True)
+    async def email(to: str) -> str:
+        sent[to] += 1
+        return to
+
+    @app.workflow()
+    async def agent() -> list[str]:
+        await plan()
+        answers = []
+        for to in ("ana", "bo"):
+            try:
+                answers.append(await email(to))
+            except BaseException as exc:
+                answers.append(f"error: {type(exc).__name__}")
+        return answers
+
+    run = app.run(agent)
+    assert run.status is RunStatus.CANCELLED, run
+    assert sent == Counter()
+    assert [e.type for e in app.events(run.run_id)][-1] == "run_cancelled"
+
+
+def test_a_call_begun_in_a_task_the_workflow_leaves_behind_lands_before_the_run_ends(
+    make_app: MakeApp,
+) -> None:
+    """Fire and forget: the task has begun its call (one pass of the loop) when the workflow
+    returns. The call lands and is recorded before the run completes, however far it got;
+    one not begun at all pauses the run (``call_not_awaited``)."""
+    app = make_app()
+    sent = Counter[str]()
+
+    @app.tool(idempotent=True)
+    async def notify(to: str) -> str:
+        sent[to] += 1
+        return to
+
+    def agent_yielding(passes: int) -> durably.Durable[..., str]:
+        @app.workflow(name=f"agent_{passes}")
+        async def agent() -> str:
+            left = asyncio.ensure_future(notify.with_step_id("bg")(f"to-{passes}"))
+            left.add_done_callback(lambda _: None)  # never awaited: fire and forget
+            for _ in range(passes):
+                await asyncio.sleep(0)
+            return "sent"
+
+        return agent
+
+    for passes in (1, 2, 3):
+        run = app.run(agent_yielding(passes))
+        assert run.status is RunStatus.COMPLETED, (passes, run)
+        [effect] = app.describe(run.run_id)["effects"]
+        assert effect["status"] == "succeeded", (passes, effect)
+    assert sent == Counter({"to-1": 1, "to-2": 1, "to-3": 1})
+
+    never = app.run(agent_yielding(0))
+    assert never.status is RunStatus.PAUSED
+    assert never.status_reason == "call_not_awaited"
+    assert "to-0" not in sent

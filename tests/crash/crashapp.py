@@ -23,6 +23,9 @@ Workflows ``<kind>_once`` run a step, the tool once, a step, and return the tool
 ``call_<i>`` (as an agent framework passes the model's tool call ids; campaigns
 ``<campaign>-<i>``), each started after a random latency drawn from ``seed`` and the
 process's role (``$CRASH_ROLE``), so a recovery reaches them in another order.
+``<kind>_race`` start the same three calls, take the first answer and cancel the others:
+call_0 is made once the shop holds the others' effects (the test holds their answers back);
+in a recovery the others are slower to start, so they are cancelled before they call again.
 Configuration: ``$DURABLY_DATABASE_URL``, ``$SHOP_URL``, ``$SHOP_TIMEOUT`` (the tools' HTTP
 client timeout, seconds) and ``$CRASH_LEASE_TTL`` (seconds).
 """
@@ -194,11 +197,51 @@ def _parallel(tool: durably.Durable[..., dict[str, Any]]) -> Callable[..., Await
     return parallel
 
 
+async def _until_the_shop_holds(customer: str, effects: int) -> None:
+    """Wait until the shop has committed ``effects`` effects for ``customer``."""
+    for _ in range(500):
+        shown = await asyncio.to_thread(get_json, f"{_shop()}/effects", timeout=_timeout())
+        rows = shown["orders"] + shown["coupons"]
+        if sum(row["request"]["customer"] == customer for row in rows) >= effects:
+            return
+        await asyncio.sleep(0.01)
+    raise TimeoutError(f"the shop never held {effects} effects for {customer}")
+
+
+def _race(tool: durably.Durable[..., dict[str, Any]]) -> Callable[..., Awaitable[Any]]:
+    async def race(customer: str, campaign: str) -> dict[str, Any]:
+        await begin(customer, campaign)
+        # Ask three at once, take whichever answers first, cancel the others. The first
+        # process asks call_0 once the others' effects stand at the shop (whose answers the
+        # test holds back): call_0 answers first. A recovery is slower to reach the others,
+        # so it cancels them before they call again.
+        first_process = os.environ.get("CRASH_ROLE") == "start"
+
+        async def one(i: int) -> dict[str, Any]:
+            if i == 0 and first_process:
+                await _until_the_shop_holds(customer, PARALLEL_CALLS - 1)
+            elif i and not first_process:
+                await asyncio.sleep(0.5)
+            call = tool.with_step_id(f"call_{i}")
+            return await call(customer=customer, campaign=f"{campaign}-{i}")
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(PARALLEL_CALLS)]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        first = next(iter(done)).result()
+        await finish(first)
+        return first
+
+    return race
+
+
 PARALLEL_CALLS = 3
 for _kind, _tool in TOOLS.items():
     app.workflow(name=f"{_kind}_once")(_once(_tool))
     app.workflow(name=f"{_kind}_twice")(_twice(_tool))
     app.workflow(name=f"{_kind}_parallel")(_parallel(_tool))
+    app.workflow(name=f"{_kind}_race")(_race(_tool))
 app.workflow(name="approved_once")(_once(approved_tool))
 
 

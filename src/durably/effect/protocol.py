@@ -48,6 +48,12 @@ class Effect(Replaying, Reconciling, Approving, Recording):
 
     async def settle(self) -> Any:
         self.ctx.started(self.step_id)
+        try:
+            return await self._settle()
+        finally:
+            self.ctx.begun(self.step_id)
+
+    async def _settle(self) -> Any:
         if self.op is None:
             await self.ctx.after_recovered_calls()
             # Only a brand-new call stops for a cancel, a shutdown or the budget: an effect
@@ -64,7 +70,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
 
     async def _landed(self) -> Any:
         asking = self.op is None and self._needs_approval()
-        async with self.ctx.in_flight(id(self), asking=asking):
+        async with self.ctx.in_flight(id(self), self.step_id, asking=asking):
             if self.ctx.closing:
                 # Started while the run is being suspended for its parallel calls' approvals:
                 # nothing is sent now, but this call's request joins theirs.
@@ -195,6 +201,14 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 external_ids.append(storable_text(str(exc.external_id)))
             await self._record_failure(exc, external_id=external_ids[-1] if external_ids else None)
             return
+        except BaseException as exc:
+            # Not a failure the tool reported but a stop passing through it: a cancellation
+            # or a group holding one, SystemExit from a wrapped command line, Ctrl-C. The tool
+            # may have acted already: its outcome is recorded as unknown before the stop goes
+            # on, or the call would stay executing for good.
+            if not self.ctx.stopped:
+                await self._record_failure(exc, unknown=True)
+            raise
         finally:
             context._key.reset(token)
             context._external_ids.reset(ids_token)

@@ -196,8 +196,12 @@ class Recording(EffectCore):
 
         await ctx.release(pause, exclude=id(self))
 
-    async def _record_failure(self, exc: BaseException, *, external_id: str | None = None) -> None:
-        category = classify(self.tool, exc)
+    async def _record_failure(
+        self, exc: BaseException, *, external_id: str | None = None, unknown: bool = False
+    ) -> None:
+        """Record how the call failed; ``unknown``: whatever ``exc`` is, nobody knows whether
+        the call took effect."""
+        category = FailureCategory.UNKNOWN_OUTCOME if unknown else classify(self.tool, exc)
         # Scrubbed whole, then cut: a secret straddling the cut would leave a clear prefix.
         error: dict[str, Any] = {
             "type": self._scrub(type(exc).__name__),
