@@ -73,6 +73,9 @@ def test_event_is_delivered_once_per_event_id(make_app: MakeApp) -> None:
     done = app.get_run(run.run_id)
     assert done.status is RunStatus.COMPLETED
     assert done.result == {"by": "ana"}
+    # A sender retrying after the run finished still hears that it was delivered.
+    assert app.send_event(run.run_id, "approved", {"n": 2}, event_id="e1") == "duplicate ignored"
+
     with pytest.raises(durably.InvalidTransition):
         app.send_event(run.run_id, "approved", {}, event_id="e2")
     with pytest.raises(durably.RunNotFound):

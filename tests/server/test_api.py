@@ -244,6 +244,10 @@ def test_send_event_once_then_finished_run_is_409(h: Harness) -> None:
     late = h.client.post(f"/api/runs/{rid}/events", json={"name": "go"}, headers=AUTH)
     assert late.status_code == 409
     assert late.json()["error"] == "InvalidTransition"
+    # A client retrying e-1 after the run finished (its first answer lost) hears success.
+    retried = h.client.post(f"/api/runs/{rid}/events", json=body, headers=AUTH)
+    assert retried.status_code == 200, retried.text
+    assert retried.json()["result"] == "duplicate ignored"
 
 
 def test_resolve_unknown_effect(h: Harness) -> None:

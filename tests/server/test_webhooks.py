@@ -68,6 +68,10 @@ def test_redelivery_of_the_same_webhook_id_is_ignored(h: Harness) -> None:
     assert h.events(rid) == before
     h.work()
     assert h.driver.get_run(rid).result == {"n": 1}
+    # The sender retries once more after the run finished: still no failure to report.
+    late = post(h, event(rid, {"n": 1}), timestamp=int(time.time()) + 2)
+    assert late.status_code == 200, late.text
+    assert late.json()["status"] == "duplicate ignored"
 
 
 def test_rotated_secrets_any_configured_one_is_accepted(h: Harness) -> None:

@@ -273,8 +273,13 @@ def _recovered(claimed: Row) -> bool:
 
 def deliver_signal(run_id: str, event_id: str, name: str, payload_json: str) -> Plan[bool]:
     """``Store.deliver_signal``: the signal once per event id, its event, the run due if
-    it waits for that name. The run's row is locked first: its own commits serialise."""
-    locked, inserted = yield Round(
+    it waits for that name. The run's row is locked first: its own commits serialise.
+
+    An event id already delivered is a duplicate (False), whatever it carries this time and
+    even once the run has finished: the id names the event (webhook senders deduplicate
+    retries by it), and a sender whose first delivery's answer was lost must not learn
+    that it failed."""
+    locked, inserted, known = yield Round(
         [
             ("lock_run", {"run_id": run_id}),
             (
@@ -286,11 +291,12 @@ def deliver_signal(run_id: str, event_id: str, name: str, payload_json: str) -> 
                     "payload_json": payload_json,
                 },
             ),
+            ("signal_known", {"run_id": run_id, "event_id": event_id}),
         ]
     )
-    check_open(run_id, locked[0] if locked else None)
-    if not inserted:
+    if known and not inserted:
         return False
+    check_open(run_id, locked[0] if locked else None)
     run = locked[0]
     due = wakes(run["status"], run["waiting_for_json"], name)
     payload = {"name": name, "event_id": event_id, "wakes_run": due}

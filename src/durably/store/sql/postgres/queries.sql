@@ -454,6 +454,10 @@ FROM durably_runs
 WHERE run_id = %(run_id)s AND status NOT IN ('completed', 'failed', 'cancelled')
 ON CONFLICT (run_id, event_id) DO NOTHING;
 
+-- name: signal_known
+-- Whether an event was delivered under this id already (by this statement's round or before).
+SELECT 1 FROM durably_signals WHERE run_id = %(run_id)s AND event_id = %(event_id)s;
+
 -- name: bump_run
 -- Make room for an operator's event; the run is queued and due now if due.
 UPDATE durably_runs SET last_sequence = last_sequence + 1, state_version = state_version + 1,
