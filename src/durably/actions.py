@@ -296,6 +296,18 @@ async def resume(engine: Engine, run_id: str) -> RunRecord | None:
     it, if it released it."""
     store, record = await _open_run(engine, run_id)
     waiting = record.waiting_for or {}
+    if record.status in (RunStatus.WAITING_EXTERNAL, RunStatus.WAITING_APPROVAL):
+        if record.status is RunStatus.WAITING_APPROVAL:
+            until = "its approval is decided (approve or reject it)"
+        elif waiting.get("kind") == "event":
+            until = f"the event {waiting.get('event')!r} arrives (send it)"
+        else:
+            until = "its timer fires"
+        raise InvalidTransition(
+            f"run {run_id} is {record.status}: it goes on by itself once {until}; resume is "
+            "for a paused run",
+            run_id=run_id,
+        )
     if record.status is RunStatus.PAUSED and record.status_reason == PauseReason.OPERATOR:
         await unpause(engine, run_id, by="resume")
     elif record.status_reason == PauseReason.PERMISSION and waiting.get("step_id"):

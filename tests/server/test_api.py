@@ -281,6 +281,13 @@ def test_resume_and_cancel(h: Harness) -> None:
     assert r.json()["status"] == "paused"  # still unknown: it needs a person
 
     wid = h.waiting("waiter", run_id="w-2")
+    # A run waiting for an event goes on when the event comes: resume says so, not "done".
+    before = h.client.get(f"/api/runs/{wid}").json()
+    waiting = h.client.post(f"/api/runs/{wid}/resume", headers=AUTH)
+    assert waiting.status_code == 409, waiting.text
+    assert "waiting_external" in waiting.json()["message"]
+    assert "send it" in waiting.json()["message"]
+    assert h.client.get(f"/api/runs/{wid}").json() == before
     c = h.client.post(f"/api/runs/{wid}/cancel", json={"compensate": False}, headers=AUTH)
     assert c.status_code == 200, c.text
     assert c.json()["status"] == "cancelled"
