@@ -102,7 +102,13 @@ def test_deciding_after_expiry_is_refused(mailer: Any, database_url: str) -> Non
     (pending,) = approvals(app, run.run_id)
     expire(database_url, pending["approval_id"])
     with pytest.raises(durably.ApprovalExpired):
-        app.approve(run.run_id, by="ana")
+        app.approve(run.run_id, by="ana", comment="fine by me")
+    # The clock expired it: nothing is recorded in the name of the one refused.
+    (expired,) = approvals(app, run.run_id)
+    assert (expired["status"], expired["decided_by"], expired["comment"]) == ("expired", None, None)
+    [decided] = [e for e in app.events(run.run_id) if e.type == "approval_decided"]
+    assert decided.payload["by"] is None
+    assert decided.payload["noticed_by"] == "ana"
     again = app.resume(run.run_id)
     assert again.status is RunStatus.WAITING_APPROVAL
     assert [a["status"] for a in approvals(app, run.run_id)] == ["expired", "requested"]

@@ -319,14 +319,26 @@ def decide_approval(
     check_open(run_id, locked[0] if locked else None)
     target = pending_approval(run_id, approval_id, [approval_from_row(r) for r in found])
     expired = target.expires_at <= float(clock[0]["now"])
-    status = "expired" if expired else decision
     run = locked[0]
-    payload = {"approval_id": target.approval_id, "decision": status, "by": by}
+    if expired:
+        # The clock's doing, not the caller's: their decision came too late and is refused,
+        # so neither it nor its comment is recorded in their name.
+        status, decided_by, noted = "expired", None, None
+    else:
+        status, decided_by, noted = decision, by, comment
+    payload = {"approval_id": target.approval_id, "decision": status, "by": decided_by}
+    if expired:
+        payload["noticed_by"] = by
     decided, *_ = yield Round(
         [
             (
                 "decide_approval",
-                {"approval_id": target.approval_id, "status": status, "by": by, "comment": comment},
+                {
+                    "approval_id": target.approval_id,
+                    "status": status,
+                    "by": decided_by,
+                    "comment": noted,
+                },
             ),
             ("bump_run", {"run_id": run_id, "due": run["status"] == RunStatus.WAITING_APPROVAL}),
             insert_event(
