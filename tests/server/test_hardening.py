@@ -169,6 +169,23 @@ def test_every_response_carries_the_security_headers(tmp_path: Path, start: Star
         assert not re.search(r"\son[a-z]+\s*=", html), what
 
 
+def test_head_is_answered_like_get_without_a_body(tmp_path: Path, start: Start) -> None:
+    """Uptime checks and proxies probe with HEAD: each readable route answers it as GET
+    does (status, type, headers, the token required), with no body."""
+    url = sqlite_url(tmp_path)
+    prepare(url)
+    served = start(url)
+    for path in ("/", "/runs/o-1", "/api/health", "/api/runs", "/metrics", "/ui/static/console.js"):
+        got = served.request("GET", path, headers=AUTH)
+        head = served.request("HEAD", path, headers=AUTH)
+        assert (head.status, head.body) == (200, b""), (path, head)
+        assert head.headers["content-type"] == got.headers["content-type"], path
+        assert_security_headers(head, path)
+    refused = served.request("HEAD", "/api/runs")
+    assert (refused.status, refused.body) == (401, b"")
+    assert served.request("HEAD", "/api/runs/o-1/cancel", headers=AUTH).status == 405
+
+
 def test_docs_pages_that_load_cdn_scripts_are_off(tmp_path: Path, start: Start) -> None:
     served = start(sqlite_url(tmp_path), DURABLY_API_TOKEN=None)
     assert served.request("GET", "/docs").status == 404

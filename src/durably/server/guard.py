@@ -48,7 +48,6 @@ SECURITY_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 )
 _HEADER_NAMES = frozenset(name for name, _ in SECURITY_HEADERS)
 
-_READS = frozenset({"GET", "HEAD"})
 _OPEN_PATHS = frozenset({"/api/health", "/openapi.json"})
 _OPEN_PREFIX = "/ui/static/"
 _SIGNED_PATH = "/webhooks/events"  # authenticated by its signature, not by the token
@@ -87,6 +86,10 @@ class Guard:
             await self.app(scope, receive, send)
             return
         send = _with_security_headers(send)
+        if scope["method"] == "HEAD":
+            # Answered as GET without its body (uptime checks probe with HEAD): the routes
+            # are declared for GET alone.
+            scope, send = {**scope, "method": "GET"}, _without_body(send)
         refusal = self._refusal(scope, Headers(scope=scope))
         if refusal is not None:
             await refusal(scope, receive, send)
@@ -105,7 +108,7 @@ class Guard:
                 "$DURABLY_ALLOWED_HOSTS). Unknown names are refused against DNS rebinding",
             )
         path: str = scope["path"]
-        if scope["method"] in _READS:
+        if scope["method"] == "GET":
             if (
                 s.reads_need_token
                 and path not in _OPEN_PATHS
@@ -206,6 +209,17 @@ def _unauthorized(settings: ServerSettings, path: str, *, reads: bool) -> Respon
 
         return token_page(settings, message, challenge)
     return error_response(401, "Unauthorized", message, challenge)
+
+
+def _without_body(send: Send) -> Send:
+    async def send_headers_only(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            if message.get("more_body", False):
+                return
+            message = {"type": "http.response.body", "body": b""}
+        await send(message)
+
+    return send_headers_only
 
 
 def _with_security_headers(send: Send) -> Send:
