@@ -547,3 +547,13 @@ def test_damage_found_in_the_middle_of_a_query_is_a_clear_error(
     result = durably("--db", url, "runs", "list", "--limit", "1000")
     assert_refused(result)
     assert "malformed" in result.stderr or "not a database" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("value", list(SECONDS_CASES.values()), ids=list(SECONDS_CASES))
+def test_serve_refuses_a_read_timeout_that_is_no_number_of_seconds(
+    value: str, project: Path
+) -> None:
+    """Refused before anything is served (NaN would close every connection at once)."""
+    result = durably("serve", "--read-timeout", value)
+    assert_refused(result)
+    assert "'--read-timeout'" in result.stderr, result.stderr

@@ -18,6 +18,7 @@ from durably.server.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_READ_TIMEOUT,
+    MAX_READ_TIMEOUT,
 )
 
 MAX_CONCURRENCY = 1000
@@ -171,7 +172,8 @@ _WILDCARD = frozenset({"0.0.0.0", "::", ""})
 )
 @click.option(
     "--read-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=click.FloatRange(min=0, max=MAX_READ_TIMEOUT, min_open=True),
+    callback=_finite,
     default=DEFAULT_READ_TIMEOUT,
     show_default=True,
     metavar="SECONDS",

@@ -12,5 +12,8 @@ too, so a larger body could not be recorded anyway."""
 DEFAULT_READ_TIMEOUT = 15.0
 """Seconds a client has to send its request headers, and then again its body."""
 
+MAX_READ_TIMEOUT = 3600.0
+"""The longest ``--read-timeout``: a client slower than that is holding a connection open."""
+
 DEFAULT_MAX_CONNECTIONS = 256
 """Open connections served at once (``--max-connections``); beyond it requests get a 503."""
