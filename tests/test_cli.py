@@ -12,7 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from click.testing import CliRunner, Result
 from durably.cli import cli
 from durably.store import open_store
 from durably.store.migrations import migrations
-from tests.conftest import execute_sql, fetch_sql
+from tests.conftest import execute_sql, fetch_sql, postgres_schema_url
 
 APP_MODULE = "clitestapp"
 
@@ -722,6 +722,40 @@ def test_migrate_over_a_table_durably_did_not_create_says_so(
     assert fetch_sql(database_url, "SELECT * FROM durably_runs") == [("theirs",)]
     with pytest.raises(Exception, match="durably_schema_migrations"):
         fetch_sql(database_url, "SELECT * FROM durably_schema_migrations")
+
+
+def with_password(postgres_url: str, password: str) -> str:
+    """The same server and schema, with a password in the URL (the test server trusts any)."""
+    scheme, _, rest = postgres_url.partition("://")
+    user, _, host = rest.partition("@")
+    return f"{scheme}://{user}:{password}@{host}"
+
+
+def test_the_database_password_is_never_printed(
+    project: Path, postgres_schema: str, bump_schema: Callable[[str], None]
+) -> None:
+    """Not on success, not when the schema is too new, not when the URL is malformed."""
+    plain = postgres_schema_url(postgres_schema)
+    url = with_password(plain, "hunter2-secret")
+    migrated = ok("--db", url, "migrate", app=None)
+    assert "applied migration(s)" in migrated
+    assert ":***@" in migrated
+    bump_schema(plain)
+    for result in (durably("--db", url, "migrate", app=None), durably("--db", url, "runs", "list")):
+        assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)
+        assert "schema version 9999" in result.stderr
+        assert "hunter2" not in result.stdout + result.stderr
+    scheme, _, rest = plain.partition("://")
+    for password in ("hun%zzter2", "hun ter2", "hun@ter2/x#y", "hunter2@[::1"):
+        result = durably(
+            "--db", f"{scheme}://u:{password}@{rest.partition('@')[2]}", "migrate", app=None
+        )
+        assert result.exit_code != 0, (password, result.stdout)
+        assert result.stderr.startswith("error: "), result.stderr
+        assert "hunter2" not in result.stdout + result.stderr, result.stderr
+        assert "ter2" not in result.stdout + result.stderr, result.stderr
+    result = durably("--db", f"{plain}&password=hunter2-secret", "migrate", app=None)
+    assert "hunter2" not in result.stdout + result.stderr
 
 
 def test_a_migration_that_fails_is_named_and_leaves_the_schema_as_it_was(

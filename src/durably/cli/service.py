@@ -120,6 +120,7 @@ def migrate(config: Config) -> None:
     """Apply pending schema migrations. The database is --db, else the app's; --app is
     optional."""
     from durably.store import open_store
+    from durably.store.base import shown_url
 
     # Works without --app: operators migrate before any app code is deployed.
     url = config.app().database_url if config.app_spec else App(config.db).database_url
@@ -134,9 +135,9 @@ def migrate(config: Config) -> None:
 
     applied = asyncio.run(apply())
     if applied:
-        echo(f"{url}: applied migration(s) {', '.join(map(str, applied))}")
+        echo(f"{shown_url(url)}: applied migration(s) {', '.join(map(str, applied))}")
     else:
-        echo(f"{url}: schema up to date, nothing to apply")
+        echo(f"{shown_url(url)}: schema up to date, nothing to apply")
 
 
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from durably.errors import ConfigurationError
-from durably.store.base import Store, shown_url
+from durably.store.base import Store, shown_url, without_secrets
 
 
 def open_store(url: str) -> Store:
@@ -30,7 +30,8 @@ def open_store(url: str) -> Store:
             conninfo_to_dict(url)
         except psycopg.ProgrammingError as exc:
             raise ConfigurationError(
-                f"malformed PostgreSQL URL {shown_url(url)!r} ({str(exc).strip()}); write "
+                f"malformed PostgreSQL URL {shown_url(url)!r} "
+                f"({without_secrets(str(exc).strip(), url)}); write "
                 "postgresql://user:password@host:5432/dbname, percent-encoding any other "
                 "character in its parts (@ as %40)"
             ) from None

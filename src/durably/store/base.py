@@ -536,9 +536,28 @@ class Store(abc.ABC):
         return False
 
 
+# The password runs from the user's colon to the last @: a malformed URL may hold any
+# character in it (an unencoded @, /, ? or #), and masking some of the host is no loss.
+_URL_PASSWORD = re.compile(r"(//[^/?#@:]*:)(.*)@", re.DOTALL)
+_QUERY_PASSWORD = re.compile(r"([?&]password=)([^&#]*)", re.IGNORECASE)
+
+
 def shown_url(url: str) -> str:
-    """``url`` fit for an error message, a log line or an API answer: without its password.
+    """``url`` fit for an error message, a log line or an API answer: without its password
+    (in the authority or as a ``password=`` parameter).
 
     A pattern, not a URL parser: it must also work on the malformed URLs it reports.
     """
-    return re.sub(r"(//[^/?#@:]*:)[^/?#@]*@", r"\1***@", url)
+    return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", url))
+
+
+def without_secrets(text: str, url: str) -> str:
+    """``text`` (a driver's message about ``url``, which may quote any part of it) with the
+    URL's password masked wherever it appears, whole or in pieces: a driver that misreads
+    a malformed URL may quote the part of the password after a space or an @ as a host."""
+    secrets = [m.group(2) for m in (_URL_PASSWORD.search(url),) if m]
+    secrets += [m.group(2) for m in _QUERY_PASSWORD.finditer(url)]
+    pieces = [p for s in secrets for p in re.split(r"[\s/?#@:\[\]]+", s) if len(p) >= 3]
+    for secret in sorted({*filter(None, secrets), *pieces}, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return shown_url(text)

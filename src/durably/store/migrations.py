@@ -15,6 +15,7 @@ from importlib import resources
 from typing import Protocol
 
 from durably.errors import SchemaTooNew, StoreError
+from durably.store.base import shown_url
 
 _NAME = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
@@ -89,7 +90,8 @@ class Migrator:
         current = self.target.schema_version()
         if current > newest_known:
             raise SchemaTooNew(
-                f"database {self.target.url} has schema version {current}, but this durably "
+                f"database {shown_url(self.target.url)} has schema version {current}, but "
+                "this durably "
                 f"knows up to {newest_known}; upgrade durably (never downgrade a database)"
             )
         # Faster than every migration in turn (one transaction, no table rebuilt), and a new

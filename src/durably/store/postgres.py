@@ -31,7 +31,14 @@ from psycopg_pool import AsyncConnectionPool
 
 from durably.errors import InvalidTransition, StoreUnavailable
 from durably.store import pg_wire
-from durably.store.base import Committed, Expect, Lease, Transition, shown_url
+from durably.store.base import (
+    Committed,
+    Expect,
+    Lease,
+    Transition,
+    shown_url,
+    without_secrets,
+)
 from durably.store.migrations import Migration, Migrator, refused
 from durably.store.pg_group import Gathering, Write
 from durably.store.pg_wire import send_round
@@ -108,7 +115,9 @@ class PostgresStore(SQLStore):
         try:
             await pool.open(wait=True, timeout=self.connect_timeout_s)
         except Exception as exc:
-            raise StoreUnavailable(f"cannot connect to {shown_url(self.url)}: {exc}") from exc
+            raise StoreUnavailable(
+                f"cannot connect to {shown_url(self.url)}: {without_secrets(str(exc), self.url)}"
+            ) from exc
         self._pools[loop] = pool
         return pool
 
@@ -370,7 +379,9 @@ class _MigrationTarget:
             raise self._unavailable(exc) from exc
 
     def _unavailable(self, exc: psycopg.OperationalError) -> StoreUnavailable:
-        return StoreUnavailable(f"cannot migrate {shown_url(self.url)}: {exc}")
+        return StoreUnavailable(
+            f"cannot migrate {shown_url(self.url)}: {without_secrets(str(exc), self.url)}"
+        )
 
     def schema_version(self) -> int:
         with self._connect() as conn:
