@@ -169,6 +169,14 @@ def test_start_rejects_bad_json_and_unknown_workflows(project: Path) -> None:
     unknown = durably("start", "nope")
     assert unknown.exit_code == 1
     assert "error: no workflow named 'nope'" in unknown.stderr
+    # Keys that name start's own options: refused with the way out, not a traceback.
+    for key in ("run_id", "tenant"):
+        clash = durably("start", "summing", "--input", json.dumps({"a": 1, key: "x"}))
+        assert clash.exit_code == 2, (clash.stderr, clash.exception)
+        assert clash.stderr.startswith("error: Invalid value for '--input'"), clash.stderr
+        assert key in clash.stderr
+        assert "JSON array" in clash.stderr
+    assert ok_json("runs", "list") == []
 
 
 def test_worker_until_idle_completes_queued_runs(project: Path) -> None:

@@ -40,6 +40,10 @@ R = TypeVar("R")
 
 DEFAULT_DATABASE_URL = "sqlite:///durably.db"
 
+START_OPTIONS = frozenset({"run_id", "tenant"})
+"""The keyword arguments ``start`` and ``run`` keep for themselves: workflow input keyed so
+goes positionally."""
+
 
 class App(Registration):
     """Registry of workflows, steps and tools bound to one store.
@@ -152,6 +156,7 @@ class App(Registration):
     async def start_async(
         self,
         workflow: Callable[..., Any] | str,
+        /,
         *args: Any,
         run_id: str | None = None,
         tenant: str = "default",
@@ -167,6 +172,7 @@ class App(Registration):
     def start(
         self,
         workflow: Callable[..., Any] | str,
+        /,
         *args: Any,
         run_id: str | None = None,
         tenant: str = "default",
@@ -180,6 +186,7 @@ class App(Registration):
     async def run_async(
         self,
         workflow: Callable[..., Any] | str,
+        /,
         *args: Any,
         run_id: str | None = None,
         tenant: str = "default",
@@ -195,6 +202,7 @@ class App(Registration):
     def run(
         self,
         workflow: Callable[..., Any] | str,
+        /,
         *args: Any,
         run_id: str | None = None,
         tenant: str = "default",

@@ -1306,3 +1306,17 @@ def test_a_steps_first_write_says_its_row_is_new(make_app: MakeApp) -> None:
     ]
     steps = {s["step_id"]: s for s in app.describe("no")["steps"]}
     assert (steps["double#2"]["output"], steps["refuse#1"]["status"]) == (4, "failed")
+
+
+def test_a_workflow_may_take_an_argument_named_workflow_by_keyword(make_app: MakeApp) -> None:
+    """``start`` and ``run`` take the workflow positionally only: its input may use the name."""
+    app = make_app()
+
+    @app.workflow()
+    async def route(workflow: str, step: int = 1) -> str:
+        return f"{workflow}:{step}"
+
+    assert app.run(route, workflow="billing", step=2).result == "billing:2"
+    run_id = app.start("route", workflow="refunds")
+    assert app.worker().run(until_idle=True) == 1
+    assert app.get_run(run_id).result == "refunds:1"

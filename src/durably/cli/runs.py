@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from durably.app import START_OPTIONS
 from durably.cli.base import Config, cli, parse_json, pass_config, run_coro
 from durably.cli.render import echo, echo_json, error_text, expiry, format_time, run_json, table
 from durably.status import RunStatus
@@ -31,6 +32,13 @@ def start(config: Config, workflow: str, input_: Any, run_id: str | None, tenant
     kwargs: dict[str, Any] = {}
     if isinstance(input_, dict):
         kwargs = input_
+        clash = sorted(START_OPTIONS & kwargs.keys())
+        if clash:
+            raise click.BadParameter(
+                f"keys {clash} name start's own options (--run-id, --tenant), not the "
+                "workflow's input: pass the input as a JSON array of positional arguments",
+                param_hint="'--input'",
+            )
     elif isinstance(input_, list):
         args = input_
     elif input_ is not None:

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from durably.app import App
+from durably.app import START_OPTIONS, App
 from durably.errors import DurablyError, InvalidInput
 from durably.exposition import scrape
 from durably.server.errors import DurablyRoute, ErrorOut, error_response
@@ -387,8 +387,6 @@ class Health(BaseModel):
 
 # -- endpoints ----------------------------------------------------------------------------
 
-_RESERVED_INPUT = frozenset({"workflow", "run_id", "tenant"})
-
 
 @router.get(
     "/api/health",
@@ -467,7 +465,7 @@ async def start_run(app: AppDep, body: StartIn) -> RunOut:
         kwargs = body.input
     elif isinstance(body.input, list):
         args = body.input
-    clash = sorted(_RESERVED_INPUT & kwargs.keys())
+    clash = sorted(START_OPTIONS & kwargs.keys())
     if clash:
         raise InvalidInput(
             f"input keys {clash} cannot be passed by keyword over the API; pass the input as "
