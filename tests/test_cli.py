@@ -8,10 +8,12 @@ import multiprocessing
 import os
 import pty
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -1096,3 +1098,68 @@ def test_replay_reports_reproduced_or_the_divergence_by_exit_code(project: Path)
         assert bad.stderr.startswith("error: "), bad.stderr
         assert message in bad.stderr, bad.stderr
         assert "Traceback" not in bad.stderr
+
+
+def test_ctrl_c_while_a_write_waits_for_the_sqlite_lock_prints_no_traceback(
+    project: Path,
+) -> None:
+    """Another process holds SQLite's write lock; Ctrl-C reaches ``durably start`` while
+    its write waits for it. Once the lock is free the command ends on the interrupt, with
+    no traceback, and the database holds the run whole or not at all."""
+    ok("migrate")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DURABLY_")}
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys, time\n"
+            "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "db.execute('BEGIN IMMEDIATE'); print('held', flush=True); time.sleep(3)\n"
+            "db.execute('ROLLBACK')",
+            str(project / "app.db"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "held\n"
+        # Ctrl-C as from a terminal (a child of a non-interactive shell starts ignoring it).
+        interruptible = (
+            "import runpy, signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "sys.argv[0] = 'durably'\n"
+            "runpy.run_module('durably', run_name='__main__')"
+        )
+        start = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                interruptible,
+                "--app",
+                f"{APP_MODULE}:app",
+                "start",
+                "summing",
+                "--input",
+                "[1]",
+                "--run-id",
+                "int-1",
+            ],
+            cwd=project,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1.0)
+        start.send_signal(signal.SIGINT)
+        _, stderr = start.communicate(timeout=60)
+    finally:
+        holder.wait(timeout=30)
+        if holder.stdout is not None:
+            holder.stdout.close()
+    assert start.returncode != 0
+    assert "Traceback" not in stderr, stderr
+    assert "InvalidStateError" not in stderr, stderr
+    assert [r["run_id"] for r in ok_json("runs", "list")] in ([], ["int-1"])

@@ -83,6 +83,20 @@ def _execute_plan(db: sqlite3.Connection, plan: Callable[[], Plan[T]], now: floa
             return result
 
 
+def _answer(
+    done: asyncio.Future[Any], *, error: Exception | None = None, result: Any = None
+) -> None:
+    """Answer a write of a batch; its caller may have been cancelled meanwhile (Ctrl-C
+    reaches asyncio's handler in the middle of a blocking statement): its outcome is then
+    the store's alone."""
+    if done.done():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
+
+
 def _single(query: Query) -> Plan[Rows]:
     (rows,) = yield Round([query], final=True)
     return rows
@@ -228,9 +242,9 @@ class SQLiteStore(SQLStore):
                 with self._tx("BEGIN IMMEDIATE") as db:
                     result = _execute_plan(db, plan, time.time())
             except Exception as exc:
-                done.set_exception(exc)
+                _answer(done, error=exc)
             else:
-                done.set_result(result)
+                _answer(done, result=result)
             return
         outcomes: list[tuple[asyncio.Future[Any], Exception | None, Any]] = []
         try:
@@ -249,13 +263,10 @@ class SQLiteStore(SQLStore):
                     db.execute("RELEASE plan")
         except Exception as exc:
             for _, done in batch:
-                done.set_exception(exc)
+                _answer(done, error=exc)
             return
         for done, error, result in outcomes:
-            if error is not None:
-                done.set_exception(error)
-            else:
-                done.set_result(result)
+            _answer(done, error=error, result=result)
 
     async def _one(self, name: str, params: dict[str, Any], *, write: bool = False) -> Rows:
         if write:
