@@ -172,13 +172,18 @@ async def resolve_effect(
             f"run {run_id} is {run.status}; only a paused run's effects are resolved by hand",
             run_id=run_id,
         )
+    if run.status_reason == PauseReason.OPERATOR:
+        # Resolving queues the run: it would lift the operator's pause behind their back.
+        raise InvalidTransition(
+            f"run {run_id} was paused by an operator, not for an effect; unpause it first",
+            run_id=run_id,
+        )
     ops = [o for o in journal.operations if o.step_id == step_id]
-    settleable = (
-        OperationStatus.UNKNOWN,
-        OperationStatus.RECONCILING,
-        OperationStatus.EXECUTING,
-        OperationStatus.FAILED,
-    )
+    settleable = [OperationStatus.UNKNOWN, OperationStatus.RECONCILING, OperationStatus.EXECUTING]
+    if (run.waiting_for or {}).get("step_id") == step_id:
+        # The failure the run is paused at (a permission refused): not yet seen by the
+        # workflow. Any other failure was raised in it already, and acted on.
+        settleable.append(OperationStatus.FAILED)
     refused = bool(ops) and verification.refused_result(ops[0]) and outcome == "succeeded"
     if not ops or (ops[0].status not in settleable and not refused):
         found = ops[0].status.value if ops else "no effect"

@@ -292,3 +292,48 @@ def test_resume_and_cancel_of_an_operator_paused_run(make_app: MakeApp) -> None:
     gone = app.cancel(cancelled)
     assert gone.status is RunStatus.CANCELLED
     assert not gone.pause_requested  # a finished run has no pause in force
+
+
+def test_resolve_settles_only_what_the_workflow_has_not_seen_and_lifts_no_operator_pause(
+    make_app: MakeApp,
+) -> None:
+    """A failure the workflow already raised and acted on is history: resolving it again
+    (as succeeded) would rewrite what the run did next. And resolving queues the run, so it
+    is refused while an operator's pause holds it."""
+    app = make_app()
+    calls = Counter[str]()
+
+    @app.tool()
+    async def charge() -> str:
+        calls["charge"] += 1
+        raise TimeoutError("no answer")  # unknown outcome: a person settles it
+
+    @app.tool()
+    async def audit() -> str:
+        calls["audit"] += 1
+        raise TimeoutError("no answer")
+
+    @app.workflow()
+    async def billing() -> str:
+        try:
+            return await charge()
+        except durably.StepFailed:
+            await audit()  # acted on the failure
+            return "refunded"
+
+    run = app.run(billing)
+    assert (run.status, run.waiting_for["step_id"]) == (RunStatus.PAUSED, "charge#1")
+    app.resolve_effect(run.run_id, "charge#1", "failed")
+    run = app.resume(run.run_id)
+    assert (run.status, run.waiting_for["step_id"]) == (RunStatus.PAUSED, "audit#1")
+    with pytest.raises(durably.InvalidTransition, match=r"charge#1 .* has failed"):
+        app.resolve_effect(run.run_id, "charge#1", "succeeded", result="charged")
+    assert app.describe(run.run_id)["effects"][0]["status"] == "failed"
+
+    app.resolve_effect(run.run_id, "audit#1", "succeeded", result="logged")
+    held = app.start(billing, run_id="held")
+    assert app.pause(held).status is RunStatus.PAUSED  # queued: paused at once
+    with pytest.raises(durably.InvalidTransition, match="paused by an operator"):
+        app.resolve_effect(held, "charge#1", "failed")
+    assert app.get_run(held).status_reason == "operator_pause"
+    assert calls == Counter(charge=1, audit=1)
