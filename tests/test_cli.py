@@ -9,6 +9,7 @@ import os
 import pty
 import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -1163,3 +1164,23 @@ def test_ctrl_c_while_a_write_waits_for_the_sqlite_lock_prints_no_traceback(
     assert "Traceback" not in stderr, stderr
     assert "InvalidStateError" not in stderr, stderr
     assert [r["run_id"] for r in ok_json("runs", "list")] in ([], ["int-1"])
+
+
+def test_a_postgresql_server_that_never_answers_fails_the_command_in_its_timeout(
+    project: Path,
+) -> None:
+    """A server that accepts connections and never answers (stopped, or a black hole)
+    fails the command once the connect timeout is spent, instead of hanging it."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        url = f"postgresql://u:hunter2@127.0.0.1:{port}/db?connect_timeout=1"
+        began = time.monotonic()
+        for result in (
+            durably("--db", url, "migrate", app=None),
+            durably("--db", url, "runs", "list"),
+        ):
+            assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)
+            assert result.stderr.startswith("error: "), result.stderr
+            assert "Traceback" not in result.stderr
+            assert "hunter2" not in result.stderr
+        assert time.monotonic() - began < 20

@@ -111,7 +111,7 @@ def test_postgres_migrations_produce_the_snapshot(postgres_schema: str) -> None:
     from tests.conftest import POSTGRES_URL, postgres_schema_url
 
     migrated = postgres_schema_url(postgres_schema)
-    with _MigrationTarget(migrated) as target:
+    with _MigrationTarget(migrated, 10) as target:
         for m in migrations("postgres"):
             assert target.apply_migration(m.version, m.name, m.sql)
     snapshot_schema = f"{postgres_schema}_snap"
@@ -146,7 +146,7 @@ def test_concurrent_postgres_migrations_apply_once(postgres_schema: str) -> None
     url = postgres_schema_url(postgres_schema)
 
     def migrate(_: int) -> list[int]:
-        with _MigrationTarget(url) as target:
+        with _MigrationTarget(url, 10) as target:
             return Migrator("postgres", target).apply()
 
     with ThreadPoolExecutor(8) as pool:
@@ -176,7 +176,7 @@ def test_migrators_queued_on_a_schema_named_in_quotes_create_it_once(
     url = f"{POSTGRES_URL}?options={options}"
 
     def migrate(_: int) -> list[int]:
-        with _MigrationTarget(url) as target:
+        with _MigrationTarget(url, 10) as target:
             return Migrator("postgres", target).apply()
 
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
@@ -226,7 +226,7 @@ def test_postgres_statuses_become_domains_in_place_over_existing_rows(postgres_s
         "SELECT r.status, s.kind, s.status, o.status FROM durably_runs r "
         "JOIN durably_steps s USING (run_id) JOIN durably_tool_operations o USING (run_id)"
     )
-    with _MigrationTarget(url) as target, psycopg.connect(url, autocommit=True) as conn:
+    with _MigrationTarget(url, 10) as target, psycopg.connect(url, autocommit=True) as conn:
         for m in migrations("postgres"):
             if m.version <= 7:
                 assert target.apply_migration(m.version, m.name, m.sql)

@@ -6,7 +6,9 @@ the server is back, its statements prepared again on the new connections."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import socket
 import threading
 import time
 
@@ -68,3 +70,24 @@ def test_operations_through_server_restarts_answer_or_raise_store_unavailable(mo
         # connections: in practice every operation here is answered.
         assert answered[0] > 100
         assert all("failed a transaction" in str(exc) for exc in unavailable)
+
+
+def test_a_server_that_accepts_and_never_answers_fails_each_connection_in_its_timeout() -> None:
+    """A stopped server (or a black hole) accepts TCP and never speaks: migrating, the pool
+    and the listener each give up after the store's connect timeout, not never."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"postgresql://u@127.0.0.1:{silent.getsockname()[1]}/db"
+        store = PostgresStore(url, connect_timeout_s=1)
+
+        async def each() -> list[float]:
+            took = []
+            for attempt in (store.migrate(), store.get_run("r"), store.wait_for_work(0.1)):
+                began = time.monotonic()
+                with contextlib.suppress(StoreUnavailable):
+                    await attempt
+                took.append(time.monotonic() - began)
+            await store.close()
+            return took
+
+        took = asyncio.run(asyncio.wait_for(each(), 30))
+    assert max(took) < 5, took

@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from durably.errors import InvalidTransition, StoreUnavailable
+from durably.errors import ConfigurationError, InvalidTransition, StoreUnavailable
 from durably.store import pg_wire
 from durably.store.base import (
     Committed,
@@ -79,6 +81,17 @@ class PostgresStore(SQLStore):
         self.url = url
         self.pool_size = pool_size
         self.connect_timeout_s = connect_timeout_s
+        # Every connection's own: a server that accepts TCP and never answers (stopped, or a
+        # black hole) must fail the attempt, not hang it. The URL's connect_timeout wins.
+        given = conninfo_to_dict(url).get("connect_timeout")
+        self._connect_timeout = max(1, math.ceil(connect_timeout_s))
+        if given is not None:
+            try:
+                self._connect_timeout = int(given)
+            except ValueError:
+                raise ConfigurationError(
+                    f"connect_timeout={given!r} in {shown_url(url)}: give whole seconds"
+                ) from None
         # A pool belongs to the event loop that opened it: one per loop using this store.
         self._pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool[AsyncConn]] = {}
         # A LISTEN connection belongs to the task that waits on it (a worker's listener).
@@ -109,7 +122,12 @@ class PostgresStore(SQLStore):
             # autocommit: every transaction is an explicit BEGIN ... COMMIT in our scripts.
             # prepare_threshold: psycopg's own statement cache would prepare the store's
             # ROLLBACKs and may DEALLOCATE ALL, taking pg_wire's statements with it.
-            kwargs={"row_factory": dict_row, "autocommit": True, "prepare_threshold": None},
+            kwargs={
+                "row_factory": dict_row,
+                "autocommit": True,
+                "prepare_threshold": None,
+                "connect_timeout": self._connect_timeout,
+            },
             timeout=self.connect_timeout_s,
         )
         try:
@@ -281,7 +299,7 @@ class PostgresStore(SQLStore):
 
     async def migrate(self) -> list[int]:
         def apply() -> list[int]:
-            with _MigrationTarget(self.url) as target:
+            with _MigrationTarget(self.url, self._connect_timeout) as target:
                 return Migrator("postgres", target).apply()
 
         return await asyncio.to_thread(apply)
@@ -320,7 +338,7 @@ class PostgresStore(SQLStore):
 
     async def _listen(self, task: asyncio.Task[Any]) -> AsyncConn:
         conn = await psycopg.AsyncConnection.connect(
-            self.url, autocommit=True, row_factory=dict_row
+            self.url, autocommit=True, row_factory=dict_row, connect_timeout=self._connect_timeout
         )
         try:
             await conn.execute(_TEXT["listen"])
@@ -353,14 +371,17 @@ class _MigrationTarget:
 
     LOCK = 0x6475726162  # "durab": one lock id for every durably migrator
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, connect_timeout: int) -> None:
         self.url = url
+        self.connect_timeout = connect_timeout
         self._shared: psycopg.Connection[Any] | None = None
 
     def __enter__(self) -> _MigrationTarget:
         try:
             # Autocommit: reads start no transaction, and each migration's is its own.
-            self._shared = psycopg.connect(self.url, autocommit=True)
+            self._shared = psycopg.connect(
+                self.url, autocommit=True, connect_timeout=self.connect_timeout
+            )
         except psycopg.OperationalError as exc:
             raise self._unavailable(exc) from exc
         return self
