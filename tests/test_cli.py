@@ -1184,3 +1184,18 @@ def test_a_postgresql_server_that_never_answers_fails_the_command_in_its_timeout
             assert "Traceback" not in result.stderr
             assert "hunter2" not in result.stderr
         assert time.monotonic() - began < 20
+
+
+def test_a_database_that_would_not_outlast_the_command_or_has_options_is_refused(
+    project: Path,
+) -> None:
+    before = sorted(p.name for p in project.iterdir())
+    memory = durably("--db", "sqlite:///:memory:", "start", "summing", "--input", "[1]")
+    assert memory.exit_code == 2, (memory.stdout, memory.stderr)
+    assert "lasts only as long as one command" in memory.stderr
+    assert memory.stdout == ""
+    for url in ("sqlite:///app.db?mode=ro", "sqlite:///app.db#x"):
+        odd = durably("--db", url, "migrate", app=None)
+        assert odd.exit_code == 1, (odd.stdout, odd.stderr)
+        assert odd.stderr.startswith("error: SQLite URL"), odd.stderr
+    assert sorted(p.name for p in project.iterdir()) == before  # no file of that name

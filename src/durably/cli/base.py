@@ -146,7 +146,18 @@ class Config:
             self._app = load_app(self.app_spec)
             if self.db:
                 self._app.database_url = self.db
+            _check_lasting(self._app.database_url, "the app's database")
         return self._app
+
+
+def _check_lasting(url: str, what: str) -> None:
+    """Each command is a process of its own: a database in its memory would be gone, with
+    whatever the command recorded, by the time the next one runs."""
+    if url.removeprefix("sqlite:///").startswith(":memory:"):
+        raise click.UsageError(
+            f"{what} is {url!r}, which lasts only as long as one command; give a file "
+            "(sqlite:///durably.db) or a PostgreSQL URL"
+        )
 
 
 def load_app(spec: str) -> App:
@@ -218,6 +229,8 @@ def cli(ctx: click.Context, app_spec: str | None, db: str | None) -> None:
             "--db to use the app's",
             param_hint="--db",
         )
+    if db is not None:
+        _check_lasting(db, "--db")
     ctx.obj = Config(app_spec, db)
 
 

@@ -110,6 +110,12 @@ def path_from_url(url: str) -> str:
             f"not a SQLite URL: {url!r}; write sqlite:///relative/path.db or "
             "sqlite:////absolute/path.db"
         )
+    if "?" in url or "#" in url:
+        # Not a URI to SQLite: "db?mode=ro" would create a file of that very name.
+        raise ConfigurationError(
+            f"SQLite URL {url!r} holds a ? or #: durably takes no options in it (and needs "
+            "to write the database); give the path alone, sqlite:///path.db"
+        )
     return url[len(prefix) :]
 
 
