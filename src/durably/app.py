@@ -30,7 +30,14 @@ from durably.store.base import (
     Store,
 )
 from durably.subscription import Subscription
-from durably.values import check_ref, check_text
+from durably.values import (
+    MAX_LIST,
+    MAX_SEQUENCE,
+    check_choice,
+    check_count,
+    check_ref,
+    check_text,
+)
 from durably.views import Run
 from durably.whatif import ReplayReport
 from durably.worker import Worker
@@ -243,6 +250,9 @@ class App(Registration):
     ) -> list[Run]:
         if workflow is not None:
             check_text(workflow, "workflow")
+        if status is not None:
+            status = check_choice(status, RunStatus, "status")
+        check_count(limit, "limit", low=1, high=MAX_LIST)
         store = await self.open()
         records = await store.list_runs(status=status, workflow=workflow, limit=limit)
         return [Run.from_record(r) for r in records]
@@ -397,6 +407,7 @@ class App(Registration):
         replay: ReplayMode = ReplayMode.DISABLED,
         new_run_id: str | None = None,
     ) -> Run:
+        replay = check_choice(replay, ReplayMode, "replay")
         forked = await fork.fork(self.engine, run_id, at=at, replay=replay, run_id=new_run_id)
         return await self.get_run_async(forked)
 
@@ -462,6 +473,7 @@ class App(Registration):
 
     async def events_async(self, run_id: str, *, after: int = 0) -> list[Event]:
         check_ref(run_id, "run id")
+        check_count(after, "after", low=0, high=MAX_SEQUENCE)
         store = await self.open()
         return await store.events(run_id, after=after)
 

@@ -9,9 +9,12 @@ already happened. Nesting is bounded too: every reader (the API, the CLI, ``json
 from __future__ import annotations
 
 import re
-from typing import Any
+from enum import Enum
+from typing import Any, TypeVar
 
 from durably.errors import InvalidInput, NotJSONSerializable
+
+E = TypeVar("E", bound=Enum)
 
 MAX_JSON_DEPTH = 64
 """How deep arrays and objects may nest in any stored JSON value."""
@@ -19,6 +22,10 @@ MAX_JSON_DEPTH = 64
 MAX_ID_CHARS = 128
 MAX_NAME_CHARS = 200
 MAX_TEXT_CHARS = 4000
+MAX_LIST = 100_000
+"""Runs one listing returns at most: all of them are held in memory at once."""
+MAX_SEQUENCE = 2**63 - 1
+"""The largest event sequence a store holds (a 64-bit integer)."""
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
 # C0 and C1 controls and DEL: they rewrite a terminal (escape sequences) or hide text.
@@ -38,6 +45,22 @@ def check_id(value: object, what: str) -> str:
             "digits and . _ : @ - (starting with a letter or digit)"
         )
     return value
+
+
+def check_count(value: object, what: str, *, low: int, high: int) -> int:
+    """A whole number from ``low`` to ``high`` (a bool is no count)."""
+    if type(value) is not int or not low <= value <= high:
+        raise InvalidInput(f"{what} must be a whole number from {low} to {high}, not {value!r:.50}")
+    return value
+
+
+def check_choice(value: object, choices: type[E], what: str) -> E:
+    """``value`` as one of the enum ``choices`` (given as the member or its value)."""
+    try:
+        return choices(value)
+    except ValueError:
+        names = ", ".join(repr(c.value) for c in choices)
+        raise InvalidInput(f"{what} must be one of {names}, not {value!r:.50}") from None
 
 
 def check_text(

@@ -369,3 +369,31 @@ def test_a_run_recorded_before_ids_were_checked_stays_reachable(make_app: MakeAp
     app.resolve_effect(rid, "send#1", "failed")
     assert app.get_run(rid).status is RunStatus.QUEUED
     assert app.cancel(rid).status is RunStatus.CANCELLED
+
+
+def test_listing_and_forking_arguments_out_of_range_are_refused_the_same_on_both_stores(
+    make_app: MakeApp,
+) -> None:
+    """Before anything reaches a database (which answered -1 with every run on SQLite and a
+    driver error on PostgreSQL, and 10**30 with an overflow)."""
+    app = make_app()
+
+    @app.workflow()
+    async def wf() -> int:
+        return 1
+
+    run = app.run(wf)
+    for bad in (-1, 0, 10**30, "10", True, 1.5):
+        with pytest.raises(durably.InvalidInput, match="limit must be a whole number"):
+            app.list_runs(limit=bad)  # type: ignore[arg-type]
+    with pytest.raises(durably.InvalidInput, match="status must be one of"):
+        app.list_runs(status="bogus")  # type: ignore[arg-type]
+    assert [r.run_id for r in app.list_runs(status="completed")] == [run.run_id]  # type: ignore[arg-type]
+    for bad in (-1, 10**30, "x", None):
+        with pytest.raises(durably.InvalidInput, match="after must be a whole number"):
+            app.events(run.run_id, after=bad)  # type: ignore[arg-type]
+    assert app.events(run.run_id, after=2**63 - 1) == []
+    with pytest.raises(durably.InvalidInput, match="replay must be one of"):
+        app.fork(run.run_id, replay="sandbox")  # type: ignore[arg-type]
+    forked = app.fork(run.run_id, replay="DISABLED", new_run_id="f-1")  # type: ignore[arg-type]
+    assert forked.run_id == "f-1"

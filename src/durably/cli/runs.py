@@ -11,6 +11,7 @@ from durably.app import START_OPTIONS
 from durably.cli.base import Config, cli, parse_json, pass_config, run_coro
 from durably.cli.render import echo, echo_json, error_text, expiry, format_time, run_json, table
 from durably.status import RunStatus
+from durably.values import MAX_LIST
 
 
 @cli.command()
@@ -50,10 +51,6 @@ def start(config: Config, workflow: str, input_: Any, run_id: str | None, tenant
     echo(rid)
 
 
-MAX_LIMIT = 100_000
-"""Runs one ``runs list`` loads at most: all of them are held in memory at once."""
-
-
 @cli.group()
 def runs() -> None:
     """Inspect runs."""
@@ -66,7 +63,7 @@ def runs() -> None:
 @click.option("--workflow", help="Only runs of this workflow.")
 @click.option(
     "--limit",
-    type=click.IntRange(1, MAX_LIMIT),
+    type=click.IntRange(1, MAX_LIST),
     default=100,
     show_default=True,
     help="How many runs at most.",
