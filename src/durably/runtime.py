@@ -178,7 +178,11 @@ async def _execute(ctx: RunContext, wf: WorkflowDef) -> None:
     except asyncio.CancelledError as exc:
         task = asyncio.current_task()
         if task is None or task.cancelling():
-            raise  # this execution itself is being cancelled
+            # This execution itself is cancelled (Ctrl-C, a caller's timeout): never in the
+            # middle of an effect. The calls in flight land and are recorded, and the run is
+            # released for whoever goes on with it, before the cancellation goes on.
+            await asyncio.shield(_interrupted(ctx))
+            raise
         # Raised by the workflow's own code (a tool's cancellation it passed on): a failure
         # of the workflow, not a stop of the worker running it.
         outcome = exc
@@ -216,6 +220,20 @@ async def _execute(ctx: RunContext, wf: WorkflowDef) -> None:
             await _finish(ctx, RunStatus.FAILED, None, failure)
         return
     await _complete(ctx, wf.name, result)
+
+
+async def _interrupted(ctx: RunContext) -> None:
+    await ctx.wind_up()
+    await ctx.quiesce()
+    if ctx.stopped:
+        return
+    released = Transition(
+        events=[EventWrite("run_released", None, {"reason": "interrupted"})], release=True
+    )
+    try:
+        await ctx.commit(released)
+    except (LeaseLostError, StoreUnavailable, Suspend) as lost:
+        log.warning("run %s: could not release it (%r)", ctx.run.run_id, lost)
 
 
 _UNSETTLED = (OperationStatus.EXECUTING, OperationStatus.UNKNOWN, OperationStatus.RECONCILING)

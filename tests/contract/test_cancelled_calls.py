@@ -10,6 +10,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 import durably
 from durably import RunStatus
 from tests.conftest import fetch_sql
@@ -213,3 +215,38 @@ def test_a_call_begun_in_a_task_the_workflow_leaves_behind_lands_before_the_run_
     assert never.status is RunStatus.PAUSED
     assert never.status_reason == "call_not_awaited"
     assert "to-0" not in sent
+
+
+def test_an_execution_cancelled_mid_effect_records_it_and_releases_the_run(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """Ctrl-C in a command, or a caller's timeout, cancels the execution while a tool is
+    sending: the effect lands and is recorded, the run is released at once (no lease left
+    to run out), and whoever goes on replays the effect instead of making it again."""
+    app = make_app()
+    sent = Counter[str]()
+
+    @app.tool()  # neither idempotent nor reconcilable: an unrecorded outcome needs a person
+    async def charge(card: str) -> str:
+        await asyncio.sleep(0.3)
+        sent[card] += 1
+        return f"charged {card}"
+
+    @app.workflow()
+    async def agent() -> str:
+        return await charge("visa")
+
+    async def interrupted() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(app.run_async(agent, run_id="r-1"), 0.1)
+
+    asyncio.run(interrupted())
+    assert sent == Counter({"visa": 1})
+    [effect] = app.describe("r-1")["effects"]
+    assert effect["status"] == "succeeded"
+    owners = fetch_sql(database_url, "SELECT lease_owner FROM durably_runs WHERE run_id = 'r-1'")
+    assert owners == [(None,)]
+    assert [e.type for e in app.events("r-1")][-1] == "run_released"
+    assert app.worker().run(until_idle=True) == 1
+    assert app.get_run("r-1").result == "charged visa"
+    assert sent == Counter({"visa": 1})
