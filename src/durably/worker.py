@@ -76,6 +76,8 @@ class Worker:
         self.executed = 0
         """Run executions performed (a run that waits and resumes counts each time)."""
         self._stopping = asyncio.Event()
+        self._outage: StoreUnavailable | None = None
+        """The outage that ended a run ``until_idle`` (raised once its slots have stopped)."""
         self._work = asyncio.Condition()
         # Batch claims: the slots waiting for a run claim together, one transaction for all.
         self._claiming = asyncio.Lock()
@@ -173,6 +175,8 @@ class Worker:
                     await listener
             for sig in handled:
                 loop.remove_signal_handler(sig)
+        if self._outage is not None:
+            raise self._outage
         return self.executed
 
     async def _rechecks(self, every_s: float) -> None:
@@ -335,6 +339,12 @@ class Worker:
                 if claim is None and not until_idle:
                     wakeup = await store.next_wakeup(workflows)
             except StoreUnavailable as exc:
+                if until_idle:
+                    # Reported, as when it starts: retrying could last for ever (a full disk).
+                    # The other slots stop at their runs' next boundary.
+                    self._outage = self._outage or exc
+                    self.stop()
+                    return
                 # The database is down or restarting: keep trying, a little slower each time.
                 log.warning("worker %s: store unavailable (%s); retrying", self.worker_id, exc)
                 await asyncio.sleep(backoff)

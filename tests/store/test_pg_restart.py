@@ -91,3 +91,38 @@ def test_a_server_that_accepts_and_never_answers_fails_each_connection_in_its_ti
 
         took = asyncio.run(asyncio.wait_for(each(), 30))
     assert max(took) < 5, took
+
+
+def test_a_worker_until_idle_reports_an_outage_that_outlasts_it_instead_of_retrying() -> None:
+    """The database goes away for good in the middle of a run until idle: the worker stops,
+    its slots at their runs' next boundary, and raises StoreUnavailable (the CLI's error:
+    line), rather than retrying for ever."""
+    import durably
+
+    with throwaway_cluster() as cluster:
+        # A connection is waited for 2 s at most (the least libpq waits): the outage shows.
+        app = durably.App(f"{cluster.url}?connect_timeout=2")
+        stopped = threading.Event()
+
+        @app.step()
+        async def tick(i: int) -> int:
+            if i == 3 and not stopped.is_set():
+                stopped.set()
+                cluster.pg_ctl("stop", "-m", "immediate")
+            await asyncio.sleep(0.01)
+            return i
+
+        @app.workflow()
+        async def wf() -> int:
+            return sum([await tick(i) for i in range(6)])
+
+        try:
+            for n in range(4):
+                app.start(wf, run_id=f"r-{n}")
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                app.worker(concurrency=2).run(until_idle=True)
+            assert time.monotonic() - began < 30
+        finally:
+            cluster.ensure_up()
+            app.close()

@@ -80,18 +80,19 @@ class PostgresStore(SQLStore):
     def __init__(self, url: str, *, pool_size: int = 10, connect_timeout_s: float = 10.0) -> None:
         self.url = url
         self.pool_size = pool_size
-        self.connect_timeout_s = connect_timeout_s
-        # Every connection's own: a server that accepts TCP and never answers (stopped, or a
-        # black hole) must fail the attempt, not hang it. The URL's connect_timeout wins.
+        # Every connection's own too: a server that accepts TCP and never answers (stopped,
+        # or a black hole) must fail the attempt, not hang it. The URL's connect_timeout wins
+        # (also for how long a transaction waits for a pooled connection).
         given = conninfo_to_dict(url).get("connect_timeout")
-        self._connect_timeout = max(1, math.ceil(connect_timeout_s))
         if given is not None:
             try:
-                self._connect_timeout = int(given)
+                connect_timeout_s = int(given)
             except ValueError:
                 raise ConfigurationError(
                     f"connect_timeout={given!r} in {shown_url(url)}: give whole seconds"
                 ) from None
+        self.connect_timeout_s = connect_timeout_s
+        self._connect_timeout = max(1, math.ceil(connect_timeout_s))
         # A pool belongs to the event loop that opened it: one per loop using this store.
         self._pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool[AsyncConn]] = {}
         # A LISTEN connection belongs to the task that waits on it (a worker's listener).
