@@ -35,7 +35,9 @@ from durably.values import (
     MAX_SEQUENCE,
     check_choice,
     check_count,
+    check_duration,
     check_ref,
+    check_setting,
     check_text,
 )
 from durably.views import Run
@@ -84,6 +86,9 @@ class App(Registration):
         secret_key: str | bytes | None = None,
         reconcile_grace: timedelta = timedelta(seconds=5),
     ) -> None:
+        check_duration(lease_ttl, "lease_ttl")
+        check_duration(reconcile_grace, "reconcile_grace", zero=True)
+        check_setting(max_payload_bytes, "max_payload_bytes", low=1)
         self.engine = Engine(
             database_url=database_url
             or os.environ.get("DURABLY_DATABASE_URL")
@@ -517,7 +522,7 @@ class App(Registration):
         return Worker(
             self,
             concurrency=concurrency,
-            lease_ttl=lease_ttl or self.lease_ttl,
+            lease_ttl=self.lease_ttl if lease_ttl is None else lease_ttl,
             recheck_paused=recheck_paused,
             metrics_host=metrics_host,
             metrics_port=metrics_port,

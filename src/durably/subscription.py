@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from durably.definitions import invoke
 from durably.errors import ConfigurationError, StoreUnavailable
 from durably.store.base import Event
+from durably.values import check_setting
 
 if TYPE_CHECKING:
     from durably.engine import HasEngine
@@ -45,7 +46,7 @@ class Subscription:
         self.engine = app.engine
         self.handler = handler
         self.consumer = consumer
-        self.batch = batch
+        self.batch = check_setting(batch, "batch", low=1)
         self.poll_interval_s = poll_interval.total_seconds()
         self.delivered = 0
         self._stopping = asyncio.Event()

@@ -9,10 +9,11 @@ already happened. Nesting is bounded too: every reader (the API, the CLI, ``json
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from enum import Enum
 from typing import Any, TypeVar
 
-from durably.errors import InvalidInput, NotJSONSerializable
+from durably.errors import ConfigurationError, InvalidInput, NotJSONSerializable
 
 E = TypeVar("E", bound=Enum)
 
@@ -51,6 +52,23 @@ def check_count(value: object, what: str, *, low: int, high: int) -> int:
     """A whole number from ``low`` to ``high`` (a bool is no count)."""
     if type(value) is not int or not low <= value <= high:
         raise InvalidInput(f"{what} must be a whole number from {low} to {high}, not {value!r:.50}")
+    return value
+
+
+def check_duration(value: object, what: str, *, zero: bool = False) -> timedelta:
+    """A setting's length of time: a ``timedelta`` above zero (or zero, if ``zero``)."""
+    if not isinstance(value, timedelta) or value < timedelta(0) or (not value and not zero):
+        least = "zero or more" if zero else "above zero"
+        raise ConfigurationError(f"{what} must be a timedelta {least}, not {value!r:.50}")
+    return value
+
+
+def check_setting(value: object, what: str, *, low: int) -> int:
+    """A setting's whole number, at least ``low``."""
+    if type(value) is not int or value < low:
+        raise ConfigurationError(
+            f"{what} must be a whole number of at least {low}, not {value!r:.50}"
+        )
     return value
 
 

@@ -19,10 +19,11 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from durably import faults, owners, runtime
-from durably.errors import ConfigurationError, InvalidTransition, StoreUnavailable
+from durably.errors import InvalidTransition, StoreUnavailable
 from durably.exposition import MetricsServer
 from durably.status import PauseReason, RunStatus
 from durably.store.base import Claim, EventWrite, Expect, RunUpdate, Transition
+from durably.values import check_duration, check_setting
 
 if TYPE_CHECKING:
     from durably.engine import HasEngine
@@ -62,8 +63,11 @@ class Worker:
         metrics_host: str = "127.0.0.1",
         metrics_port: int | None = None,
     ) -> None:
-        if concurrency < 1:
-            raise ConfigurationError("worker concurrency must be at least 1")
+        check_setting(concurrency, "worker concurrency", low=1)
+        check_duration(lease_ttl, "lease_ttl")
+        check_duration(poll_interval, "poll_interval")
+        if recheck_paused is not None:
+            check_duration(recheck_paused, "recheck_paused")
         self.engine = app.engine
         self.concurrency = concurrency
         self.lease_ttl_s = lease_ttl.total_seconds()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ import durably
 from durably import PauseReason, RunStatus
 from durably.keys import canonical_json, sha256_hex
 from durably.store.base import NewRun
+from durably.worker import Worker
 from tests.conftest import execute_sql
 
 MakeApp = Callable[..., durably.App]
@@ -397,3 +400,34 @@ def test_listing_and_forking_arguments_out_of_range_are_refused_the_same_on_both
         app.fork(run.run_id, replay="sandbox")  # type: ignore[arg-type]
     forked = app.fork(run.run_id, replay="DISABLED", new_run_id="f-1")  # type: ignore[arg-type]
     assert forked.run_id == "f-1"
+
+
+def test_settings_that_cannot_work_are_refused_when_given(tmp_path: Path) -> None:
+    """A lease of no time (or negative), a payload limit below one byte, a worker of no
+    slots, a subscription of empty batches: each refused where it is given, by name."""
+    url = f"sqlite:///{tmp_path}/settings.db"
+    for kwargs, name in (
+        ({"lease_ttl": timedelta(0)}, "lease_ttl"),
+        ({"lease_ttl": timedelta(seconds=-1)}, "lease_ttl"),
+        ({"lease_ttl": 30}, "lease_ttl"),
+        ({"reconcile_grace": timedelta(seconds=-1)}, "reconcile_grace"),
+        ({"max_payload_bytes": 0}, "max_payload_bytes"),
+        ({"max_payload_bytes": True}, "max_payload_bytes"),
+    ):
+        with pytest.raises(durably.ConfigurationError, match=name):
+            durably.App(url, **kwargs)  # type: ignore[arg-type]
+    app = durably.App(url, reconcile_grace=timedelta(0))
+    try:
+        for kwargs, name in (
+            ({"concurrency": 0}, "concurrency"),
+            ({"lease_ttl": timedelta(seconds=-5)}, "lease_ttl"),
+            ({"recheck_paused": timedelta(0)}, "recheck_paused"),
+        ):
+            with pytest.raises(durably.ConfigurationError, match=name):
+                app.worker(**kwargs)  # type: ignore[arg-type]
+        with pytest.raises(durably.ConfigurationError, match="poll_interval"):
+            Worker(app, poll_interval=timedelta(0))
+        with pytest.raises(durably.ConfigurationError, match="batch"):
+            app.subscribe(print, consumer="c", batch=0)
+    finally:
+        app.close()
