@@ -84,5 +84,6 @@ def test_without_migrates_from_the_old_run_is_refused(make_app: MakeApp) -> None
     @v3.workflow(name="order", version="3")
     async def order_v3(customer: str) -> None: ...
 
+    v3.send_event(old.run_id, "paid", event_id="paid-1")  # due now: executing it is refused
     with pytest.raises(durably.ConfigurationError, match="migrates_from"):
         v3.resume(old.run_id)
