@@ -22,6 +22,7 @@ import pytest
 
 from durably.errors import DurablyError, StoreError
 from tests.server.served import (
+    APP,
     AUTH,
     TOKEN,
     WEBHOOK_SECRET,
@@ -515,3 +516,33 @@ def test_every_durably_error_is_a_4xx_but_an_unusable_database() -> None:
         status = status_of(kind.__new__(kind))  # only its type matters
         unavailable = issubclass(kind, StoreError)
         assert (status == 503) if unavailable else (400 <= status < 500), kind
+
+
+def test_a_port_in_use_is_the_commands_own_error(tmp_path: Path) -> None:
+    url = sqlite_url(tmp_path)
+    prepare(url)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "durably",
+                "--app",
+                APP,
+                "--db",
+                url,
+                "serve",
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={k: v for k, v in os.environ.items() if k != "DURABLY_API_TOKEN"},
+        )
+    assert done.returncode == 1, done.stderr
+    assert f"error: cannot listen on 127.0.0.1:{port}: " in done.stderr, done.stderr
+    assert "in use" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -8,11 +8,13 @@ uvicorn does not time out a connection that never finishes its request headers (
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from durably.errors import ConfigurationError
 from durably.server.limits import DEFAULT_MAX_CONNECTIONS
 from durably.server.settings import ServerSettings
 
@@ -81,4 +83,19 @@ def serve(
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         server_header=False,
     )
+    _check_listenable(host, port)
     uvicorn.Server(config).run()
+
+
+def _check_listenable(host: str, port: int) -> None:
+    """A port in use, or a host that is not this machine's, is the command's own error, not
+    a log line of uvicorn's and an exit status of its own. (Bound and let go at once: the
+    address is reused, and uvicorn binds it again.)"""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.create_server((host, port), family=family).close()
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port "
+            "(or --host)"
+        ) from None
