@@ -146,6 +146,7 @@ def test_a_taken_metrics_port_is_an_error(database_url: str) -> None:
         )
     assert result.exit_code != 0
     assert f"error: cannot serve metrics on 127.0.0.1:{port}" in result.output
+    assert "metrics at" not in result.output  # never announced where nothing is served
 
 
 def test_a_store_that_does_not_answer_still_gets_the_counters_served(tmp_path: Path) -> None:

@@ -105,12 +105,17 @@ def worker(
         metrics_host=metrics_host,
         metrics_port=metrics_port,
     )
-    if metrics_port is not None:
-        echo(
-            f"durably worker {w.worker_id}: metrics at http://{metrics_host}:{metrics_port}/metrics",
-            err=True,
-        )
-    executed = run_coro(app, lambda: w.run_async(until_idle=until_idle))
+
+    async def work() -> int:
+        running = asyncio.ensure_future(w.run_async(until_idle=until_idle))
+        # Said once it is true: bound (the port it got, if 0 was asked), not before a failure.
+        while metrics_port is not None and w.metrics_url is None and not running.done():
+            await asyncio.sleep(0.01)
+        if w.metrics_url is not None:
+            echo(f"durably worker {w.worker_id}: metrics at {w.metrics_url}", err=True)
+        return await running
+
+    executed = run_coro(app, work)
     echo(f"durably worker {w.worker_id}: executed {executed} run(s)", err=True)
 
 
