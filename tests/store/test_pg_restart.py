@@ -12,11 +12,13 @@ import socket
 import threading
 import time
 
+import psycopg
 import pytest
 
 from durably.errors import StoreUnavailable
 from durably.store.base import NewRun
 from durably.store.postgres import PostgresStore
+from tests.conftest import postgres_schema_url
 from tests.pg import throwaway_cluster
 
 
@@ -126,3 +128,39 @@ def test_a_worker_until_idle_reports_an_outage_that_outlasts_it_instead_of_retry
         finally:
             cluster.ensure_up()
             app.close()
+
+
+def test_a_row_lock_held_elsewhere_fails_a_write_in_the_lock_timeout(postgres_schema: str) -> None:
+    """Another session holds a run's row in an open transaction (an operator's psql, a
+    stuck job): durably's write waits for it as long as the lock timeout, 30 s unless the
+    URL sets one, then fails as an outage instead of waiting for ever."""
+    import durably
+
+    url = postgres_schema_url(postgres_schema)
+    app = durably.App(f"{url}%20-c%20lock_timeout%3D1s")
+
+    @app.workflow()
+    async def wf() -> str:
+        return await durably.wait_for_event("go")
+
+    try:
+        run = app.run(wf)
+        with psycopg.connect(url) as holder:
+            holder.execute("SELECT 1 FROM durably_runs WHERE run_id = %s FOR UPDATE", (run.run_id,))
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="lock timeout"):
+                app.cancel(run.run_id)
+            assert time.monotonic() - began < 10
+        assert app.get_run(run.run_id).status is durably.RunStatus.WAITING_EXTERNAL
+
+        async def default_timeout() -> str:
+            store = PostgresStore(url)
+            pool = await store._get_pool()
+            async with pool.connection() as conn:
+                shown = await (await conn.execute("SHOW lock_timeout")).fetchone()
+            await store.close()
+            return str(shown and shown["lock_timeout"])
+
+        assert asyncio.run(default_timeout()) == "30s"
+    finally:
+        app.close()

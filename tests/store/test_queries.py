@@ -28,6 +28,8 @@ OWN = {
     "postgres": {
         "listen",
         "notify",
+        # SQLite's lock wait is its connection's busy timeout.
+        "bound_lock_waits",
         "migration_lock",
         "migrations_table_committed",
         "commit_step",

@@ -129,6 +129,7 @@ class PostgresStore(SQLStore):
                 "prepare_threshold": None,
                 "connect_timeout": self._connect_timeout,
             },
+            configure=_bound_lock_waits,
             timeout=self.connect_timeout_s,
         )
         try:
@@ -358,6 +359,16 @@ class PostgresStore(SQLStore):
         if listener is not None:
             # What close() does for a connection outside a pool; a done callback cannot await.
             listener.pgconn.finish()
+
+
+LOCK_TIMEOUT = "30s"
+"""How long a statement waits for a row lock (another session holding a run's row in an
+open transaction) before it fails as an outage: what SQLite's busy timeout is to its file
+lock. A lock_timeout the URL sets (``options=-c lock_timeout=...``) is kept."""
+
+
+async def _bound_lock_waits(conn: AsyncConn) -> None:
+    await conn.execute(_TEXT["bound_lock_waits"], {"lock_timeout": LOCK_TIMEOUT})
 
 
 def _begun(plan: Callable[[], Plan[T]]) -> tuple[Plan[T], Round]:

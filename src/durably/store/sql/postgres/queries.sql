@@ -610,6 +610,11 @@ ON CONFLICT (consumer, event_id) DO NOTHING;
 -- Wake the workers asleep on LISTEN (delivered at COMMIT).
 NOTIFY durably_runnable;
 
+-- name: bound_lock_waits
+-- A new pooled connection waits %(lock_timeout)s at most for a row lock (another session's
+-- open transaction), unless the URL set lock_timeout: then an outage, as SQLite's busy timeout.
+SELECT set_config('lock_timeout', %(lock_timeout)s, false) WHERE current_setting('lock_timeout') = '0';
+
 -- name: listen
 -- Sleep on runs becoming claimable.
 LISTEN durably_runnable;
