@@ -523,19 +523,9 @@ def test_a_port_in_use_is_the_commands_own_error(tmp_path: Path) -> None:
     prepare(url)
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
+        command = f"--app {APP} --db {url} serve --port {port}".split()
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "durably",
-                "--app",
-                APP,
-                "--db",
-                url,
-                "serve",
-                "--port",
-                str(port),
-            ],
+            [sys.executable, "-m", "durably", *command],
             capture_output=True,
             text=True,
             timeout=60,
