@@ -52,7 +52,8 @@ class CallIdentity:
     by_position: dict[tuple[str, int], StepRecord]
     reached: dict[str, None]
     unawaited: dict[str, tuple[str, Coroutine[Any, Any, Any]]]
-    starting: dict[str, asyncio.Future[None]]
+    starting: dict[str, None]
+    all_begun: asyncio.Future[None] | None
 
     def check_running(self) -> None:
         raise NotImplementedError
@@ -105,13 +106,14 @@ class CallIdentity:
         """The call at ``step_id`` began (awaited, or its task ran): it is no longer
         un-awaited, but starting until it is in flight or ends (:meth:`begun`)."""
         self.unawaited.pop(step_id, None)
-        self.starting[step_id] = asyncio.get_running_loop().create_future()
+        self.starting[step_id] = None
 
     def begun(self, step_id: str) -> None:
         """The call at ``step_id`` is in flight, replayed, or ended before either."""
-        begun = self.starting.pop(step_id, None)
-        if begun is not None and not begun.done():
-            begun.set_result(None)
+        if self.starting.pop(step_id, 0) is None and not self.starting:
+            waiter = self.all_begun
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def drop_unawaited(self) -> list[str]:
         """Close the calls never awaited (so none warns later) and name them."""

@@ -90,10 +90,12 @@ class RunContext(CallIdentity, JoinsApprovals):
     unawaited: dict[str, tuple[str, Coroutine[Any, Any, Any]]] = field(default_factory=dict)
     """Calls created (their step id allocated) but not awaited yet, by step id: one left
     at the end of the workflow is a missing ``await``, and its effect never happened."""
-    starting: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    starting: dict[str, None] = field(default_factory=dict)
     """Calls begun (awaited, or their task ran) and not yet in flight nor ended, by step id:
     such a call, made from a task the workflow did not wait for, still lands when the
     workflow returns (:meth:`let_started_calls_start`)."""
+    all_begun: asyncio.Future[None] | None = None
+    """Set once no call is starting, while the run's end waits for that."""
     inflight: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     """Tool executions between their call and their recorded outcome."""
     signals: list[Signal] = field(default_factory=list)
@@ -308,7 +310,8 @@ class RunContext(CallIdentity, JoinsApprovals):
         it left running is in flight (its outcome is then waited for) or has ended, so that
         none is dropped halfway through its start."""
         while self.starting and not self.closing:
-            await asyncio.wait([asyncio.shield(f) for f in self.starting.values()])
+            self.all_begun = asyncio.get_running_loop().create_future()
+            await self.all_begun
 
     async def after_recovered_calls(self) -> None:
         """A new tool call of a ``reconciling`` run waits while a call the run found
