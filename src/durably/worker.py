@@ -67,7 +67,7 @@ class Worker:
         check_duration(lease_ttl, "lease_ttl")
         check_duration(poll_interval, "poll_interval")
         if recheck_paused is not None:
-            check_duration(recheck_paused, "recheck_paused")
+            check_duration(recheck_paused, "recheck_paused", zero=True)
         self.engine = app.engine
         self.concurrency = concurrency
         self.lease_ttl_s = lease_ttl.total_seconds()

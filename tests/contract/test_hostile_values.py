@@ -421,7 +421,7 @@ def test_settings_that_cannot_work_are_refused_when_given(tmp_path: Path) -> Non
         for kwargs, name in (
             ({"concurrency": 0}, "concurrency"),
             ({"lease_ttl": timedelta(seconds=-5)}, "lease_ttl"),
-            ({"recheck_paused": timedelta(0)}, "recheck_paused"),
+            ({"recheck_paused": timedelta(seconds=-1)}, "recheck_paused"),
         ):
             with pytest.raises(durably.ConfigurationError, match=name):
                 app.worker(**kwargs)  # type: ignore[arg-type]
