@@ -110,6 +110,8 @@ class RunContext(CallIdentity, JoinsApprovals):
     """An operator's pause request (the error the paused run shows): the run pauses at its
     next boundary."""
     closing: bool = False
+    releasing: bool = False
+    """Set once a branch began releasing the run (:meth:`release`): its commit ends it."""
     """Set when this execution is about to release the run: no step or tool call starts."""
     approvals: dict[str, list[Approval]] = field(default_factory=dict)
     """The run's approval requests by step id, oldest first."""
@@ -265,6 +267,8 @@ class RunContext(CallIdentity, JoinsApprovals):
         workflow unwinds. Whatever ``record`` does, the execution is over afterwards, so the
         driver, unwound by another branch meanwhile, can wait for this one to finish."""
 
+        self.releasing = True
+
         async def releasing() -> None:
             try:
                 await self.quiesce(exclude=exclude)
@@ -285,7 +289,7 @@ class RunContext(CallIdentity, JoinsApprovals):
         """Wait for a branch that is releasing the run (:meth:`release`) to finish: other
         branches unwind at once (no call may start), and the run must not be handed back
         before its release is recorded."""
-        if self.closing and not self.stopped:
+        if self.releasing and not self.stopped:
             await self.ended.wait()
 
     async def quiesce(self, *, exclude: int | None = None, closing: bool = True) -> None:
@@ -343,11 +347,11 @@ class RunContext(CallIdentity, JoinsApprovals):
         if done is not None and not done.done():
             done.set_result(None)
 
-    async def boundary(self) -> None:
+    async def boundary(self, *, compensating: bool = False) -> None:
         """Before a call starts: stop here if the run is cancelled, pause it if an operator
         asked, or release it if the worker is shutting down. Never in the middle of an
-        effect."""
-        if self.cancel_requested and not self.cancelling:
+        effect. While a cancelled run compensates, only its compensations go on."""
+        if self.cancel_requested and not (self.cancelling and compensating):
             self.cancel_raised = True
             raise Cancel
         if self.pause_requested is not None and not self.cancelling and not self.stopped:

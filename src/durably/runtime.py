@@ -150,6 +150,13 @@ async def _drive(
         await _execute(ctx, wf)
     except Suspend:
         pass
+    except asyncio.CancelledError:
+        # This execution is cancelled (Ctrl-C, a caller's timeout), in the workflow or while
+        # it ends: never in the middle of an effect. The calls in flight land and are
+        # recorded, and the run is released for whoever goes on, before the cancellation
+        # goes on.
+        await asyncio.shield(_interrupted(ctx))
+        raise
     finally:
         ctx.drop_unawaited()  # left by a workflow that raised: closed, not warned about
         context._run.reset(token)
@@ -173,16 +180,15 @@ async def _execute(ctx: RunContext, wf: WorkflowDef) -> None:
         if ctx.poisoned is None:
             return
         # A divergence: paused below once the calls still in flight have landed.
-    except Exception as exc:
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:
+        # SystemExit and KeyboardInterrupt too: raised by workflow or tool code (a wrapped
+        # command line's exit), they are the run's failure, not the end of the thread that
+        # runs every run of the process.
         outcome = exc
     except asyncio.CancelledError as exc:
         task = asyncio.current_task()
         if task is None or task.cancelling():
-            # This execution itself is cancelled (Ctrl-C, a caller's timeout): never in the
-            # middle of an effect. The calls in flight land and are recorded, and the run is
-            # released for whoever goes on with it, before the cancellation goes on.
-            await asyncio.shield(_interrupted(ctx))
-            raise
+            raise  # this execution itself is cancelled: see _drive
         # Raised by the workflow's own code (a tool's cancellation it passed on): a failure
         # of the workflow, not a stop of the worker running it.
         outcome = exc
@@ -199,6 +205,8 @@ async def _execute(ctx: RunContext, wf: WorkflowDef) -> None:
     # parallel calls may still be executing: record their outcomes before the run ends.
     await ctx.wind_up()
     await ctx.quiesce()
+    # A call that landed by releasing the run (an approval to ask for) ends it that way.
+    await ctx.wind_up()
     if ctx.stopped:
         # Lease lost or store failure (logged when it happened), possibly swallowed or
         # re-raised as something else by workflow code: nothing more is written.
@@ -225,6 +233,8 @@ async def _execute(ctx: RunContext, wf: WorkflowDef) -> None:
 async def _interrupted(ctx: RunContext) -> None:
     await ctx.wind_up()
     await ctx.quiesce()
+    # A call that landed by releasing the run (an approval to ask for) ends it that way.
+    await ctx.wind_up()
     if ctx.stopped:
         return
     released = Transition(
@@ -394,6 +404,9 @@ async def _cancel(ctx: RunContext) -> None:
             if ctx.stopped:
                 return
             error = error_dict(exc)
+    await ctx.quiesce()  # a call begun before the cancel lands first; none starts now
+    if ctx.stopped:
+        return
     await ctx.commit(
         lambda: Transition(
             events=[

@@ -85,13 +85,17 @@ class StepCall:
                 started = time.monotonic()
                 try:
                     value = await invoke(self.sdef.fn, *args, **kwargs)
-                except Exception as exc:
+                # SystemExit and KeyboardInterrupt raised by the body (a wrapped command line)
+                # fail the step: let through, they would end the thread that runs every run.
+                except (Exception, SystemExit, KeyboardInterrupt) as exc:
                     if attempt >= self.sdef.retry.max_attempts:
                         await self._record_failure(attempt, exc)
                     log.info("step %s attempt %d failed (%r); retrying", self.step_id, attempt, exc)
                 else:
                     model_call = await self._record(attempt, value, time.monotonic() - started)
                     break
+            # Between attempts the step is starting again: the run's end waits for it.
+            ctx.started(self.step_id)
             await asyncio.sleep(self.sdef.retry.delay_s(attempt))
         await self._charge(model_call)
         return value
@@ -157,7 +161,7 @@ class StepCall:
         self.ctx.count("cost", cost)
         await self.ctx.check_budget()
 
-    async def _record_failure(self, attempt: int, exc: Exception) -> NoReturn:
+    async def _record_failure(self, attempt: int, exc: BaseException) -> NoReturn:
         error = error_dict(exc)
         await self.ctx.commit(
             Transition(

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -250,3 +251,187 @@ def test_an_execution_cancelled_mid_effect_records_it_and_releases_the_run(
     assert app.worker().run(until_idle=True) == 1
     assert app.get_run("r-1").result == "charged visa"
     assert sent == Counter({"visa": 1})
+
+
+def test_a_tool_ending_in_system_exit_pauses_its_run_and_the_worker_goes_on(
+    make_app: MakeApp,
+) -> None:
+    """asyncio re-raises SystemExit out of its loop: let through, it ended the thread that
+    runs every run of the process, and the worker hung for good."""
+    app = make_app()
+    sent = Counter[str]()
+
+    @app.tool()
+    def ship(order: str) -> str:
+        sent[order] += 1
+        if order == "o-1":
+            raise SystemExit(2)  # a wrapped command line's main, after it acted
+        return order
+
+    @app.workflow()
+    async def agent(order: str) -> str:
+        return await ship(order)
+
+    cut, fine = app.start(agent, "o-1"), app.start(agent, "o-2")
+    assert app.worker(concurrency=2).run(until_idle=True) == 2
+    run = app.get_run(cut)
+    assert (run.status, run.status_reason) == (RunStatus.PAUSED, "effect_state_unknown")
+    assert app.describe(cut)["effects"][0]["status"] == "unknown"
+    assert app.get_run(fine).status is RunStatus.COMPLETED
+    assert sent == Counter({"o-1": 1, "o-2": 1})
+
+
+def test_an_execution_cancelled_while_its_run_ends_still_lands_and_releases(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """The workflow returned; the run's end waits for a call its task left behind, and the
+    caller's timeout cancels it there: the call is recorded and the run released."""
+    app = make_app()
+    sent = Counter[str]()
+
+    @app.tool()
+    async def charge(card: str) -> str:
+        await asyncio.sleep(0.3)
+        sent[card] += 1
+        return card
+
+    @app.workflow()
+    async def agent() -> str:
+        left = asyncio.ensure_future(charge("visa"))
+        left.add_done_callback(lambda _: None)
+        await asyncio.sleep(0)
+        return "done"
+
+    async def interrupted() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(app.run_async(agent, run_id="r-1"), 0.1)
+
+    asyncio.run(interrupted())
+    assert sent == Counter({"visa": 1})
+    assert app.describe("r-1")["effects"][0]["status"] == "succeeded"
+    owners = fetch_sql(database_url, "SELECT lease_owner FROM durably_runs WHERE run_id = 'r-1'")
+    assert owners == [(None,)]
+    assert [e.type for e in app.events("r-1")][-1] == "run_released"
+
+
+def test_no_new_call_starts_while_a_cancelled_run_compensates(make_app: MakeApp) -> None:
+    app = make_app()
+    log: list[str] = []
+
+    def refund(op: durably.Operation) -> str:
+        log.append(f"refund {op.arguments['card']}")
+        return "refunded"
+
+    @app.tool(idempotent=True, compensate=refund)
+    async def charge(card: str) -> str:
+        log.append(f"charge {card}")
+        return card
+
+    @app.step()
+    async def cancelled_meanwhile() -> None:
+        await app.cancel_async(durably.current_run().run_id, compensate=True)
+
+    @app.workflow()
+    async def agent() -> str:
+        await charge("a")
+        await cancelled_meanwhile()
+        left = asyncio.ensure_future(charge("b"))  # begins while the compensations run
+        left.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await charge("c")  # stops here: the run is cancelled
+        return "done"
+
+    run = app.run(agent)
+    assert run.status is RunStatus.CANCELLED, run
+    assert log == ["charge a", "refund a"]
+    statuses = {e["step_id"]: e["status"] for e in app.describe(run.run_id)["effects"]}
+    assert statuses == {"charge#1": "compensated", "compensate:charge#1": "succeeded"}
+
+
+def test_a_begun_call_that_asks_for_an_approval_holds_the_run_for_it(make_app: MakeApp) -> None:
+    app = make_app()
+    sent = Counter[int]()
+
+    @app.tool(idempotent=True, requires_approval=True)
+    async def wire(amount: int) -> str:
+        sent[amount] += 1
+        return f"wired {amount}"
+
+    @app.workflow()
+    async def agent(passes: int) -> str:
+        left = asyncio.ensure_future(wire(100 + passes))
+        left.add_done_callback(lambda t: t.cancelled() or t.exception())
+        for _ in range(passes):
+            await asyncio.sleep(0)
+        return "done"
+
+    for passes in (1, 2, 3):
+        run = app.run(agent, passes)
+        assert run.status is RunStatus.WAITING_APPROVAL, (passes, run)
+        app.approve(run.run_id)
+        assert app.worker().run(until_idle=True) == 1
+        assert app.get_run(run.run_id).status is RunStatus.COMPLETED
+    assert sent == Counter({101: 1, 102: 1, 103: 1})
+
+
+def test_a_cancel_of_a_run_paused_for_calls_its_workflow_swallowed_compensates(
+    make_app: MakeApp,
+) -> None:
+    app = make_app()
+    log: list[str] = []
+
+    def refund(op: durably.Operation) -> str:
+        log.append("refund")
+        return "refunded"
+
+    @app.tool(idempotent=True, compensate=refund)
+    async def charge() -> str:
+        log.append("charge")
+        return "charged"
+
+    @app.tool()
+    async def ship() -> str:
+        log.append("ship")
+        raise asyncio.CancelledError  # after acting
+
+    @app.workflow()
+    async def agent() -> str:
+        for call in (charge, ship):
+            with contextlib.suppress(BaseException):  # what agent frameworks do
+                await call()
+        return "done"
+
+    run = app.run(agent)
+    assert run.waiting_for is not None
+    assert run.waiting_for["workflow_ended"] is True
+    app.cancel(run.run_id, compensate=True)
+    app.worker().run(until_idle=True)
+    assert app.get_run(run.run_id).status is RunStatus.CANCELLED
+    assert log == ["charge", "ship", "refund"]
+
+
+def test_a_begun_step_between_its_attempts_is_waited_for(make_app: MakeApp) -> None:
+    app = make_app()
+    attempts = Counter[str]()
+
+    @app.step(
+        retry=durably.RetryPolicy(max_attempts=2, initial_interval=timedelta(milliseconds=50))
+    )
+    async def quote() -> int:
+        attempts["quote"] += 1
+        if attempts["quote"] == 1:
+            raise ConnectionError("try again")
+        return 42
+
+    @app.workflow()
+    async def agent() -> str:
+        left = asyncio.ensure_future(quote())
+        left.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.sleep(0)
+        return "done"
+
+    run = app.run(agent)
+    assert run.status is RunStatus.COMPLETED
+    assert attempts == Counter(quote=2)
+    assert {s["step_id"]: s["status"] for s in app.describe(run.run_id)["steps"]} == {
+        "quote#1": "succeeded"
+    }

@@ -48,7 +48,9 @@ async def compensate(ctx: RunContext, step_ids: tuple[str, ...]) -> list[str]:
             attempt=op.attempt,
             result=json_value(op.result_json or "null"),
         )
-        await Effect(ctx, undo, (asdict(operation),), {}, f"compensate:{op.step_id}").settle()
+        undoing = Effect(ctx, undo, (asdict(operation),), {}, f"compensate:{op.step_id}")
+        undoing.compensating = True
+        await undoing.settle()
         current = ctx.operations[op.idempotency_key]
         if current.status is OperationStatus.SUCCEEDED:
             await ctx.commit(

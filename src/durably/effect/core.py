@@ -122,6 +122,8 @@ class EffectCore:
                 step_id=self.step_id,
             )
         self.reconciling = False
+        self.compensating = False
+        """A compensation of a cancelled run: it goes on while the run is cancelling."""
 
     def _write(self, status: OperationStatus, **changes: Any) -> OperationWrite:
         op = self.op

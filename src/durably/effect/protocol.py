@@ -58,7 +58,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
             await self.ctx.after_recovered_calls()
             # Only a brand-new call stops for a cancel, a shutdown or the budget: an effect
             # already under way is settled first (reconciled if need be), never abandoned.
-            await self.ctx.boundary()
+            await self.ctx.boundary(compensating=self.compensating)
             await self.ctx.check_budget()
         # Frameworks and task groups cancel a turn's other calls once one fails. Cut between
         # its intent and its record, this call would be left executing and its run running
@@ -152,6 +152,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
             elif self.ctx.cancel_requested:
                 # Only a person could settle this effect, and the run is being cancelled:
                 # it stops here, leaving the effect unknown (counted in the unknown gauges).
+                self.ctx.cancel_raised = True
                 raise Cancel
             else:
                 await self._pause()
@@ -201,11 +202,18 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 external_ids.append(storable_text(str(exc.external_id)))
             await self._record_failure(exc, external_id=external_ids[-1] if external_ids else None)
             return
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # Raised by the tool (a wrapped command line's exit): it may have acted, so the
+            # outcome is unknown and settled as any other. Let through, it would end the
+            # thread that runs every run of the process (asyncio re-raises both).
+            if self.ctx.stopped:
+                raise Suspend from exc
+            await self._record_failure(exc, unknown=True)
+            return
         except BaseException as exc:
-            # Not a failure the tool reported but a stop passing through it: a cancellation
-            # or a group holding one, SystemExit from a wrapped command line, Ctrl-C. The tool
-            # may have acted already: its outcome is recorded as unknown before the stop goes
-            # on, or the call would stay executing for good.
+            # A cancellation (or a group holding one) passing through the tool: it may have
+            # acted already, so its outcome is recorded as unknown before the stop goes on,
+            # or the call would stay executing for good.
             if not self.ctx.stopped:
                 await self._record_failure(exc, unknown=True)
             raise
