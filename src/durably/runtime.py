@@ -124,6 +124,11 @@ async def drive(
     except (LeaseLostError, StoreUnavailable) as exc:
         log.warning("run %s: stopped executing (%s)", claim.run.run_id, exc)
         return None
+    except RunStopped as exc:
+        # A stop meant for the workflow that got past it (a bug): the run is left to its
+        # lease, and the worker, with its other runs, goes on.
+        log.error("run %s: a stop escaped its execution (%r)", claim.run.run_id, exc)
+        return None
 
 
 async def _drive(

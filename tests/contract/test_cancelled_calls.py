@@ -435,3 +435,41 @@ def test_a_begun_step_between_its_attempts_is_waited_for(make_app: MakeApp) -> N
     assert {s["step_id"]: s["status"] for s in app.describe(run.run_id)["steps"]} == {
         "quote#1": "succeeded"
     }
+
+
+def test_a_compensation_of_unknown_outcome_pauses_the_cancelled_run_for_a_person(
+    make_app: MakeApp,
+) -> None:
+    """The refund of a cancelled run acts, then its answer is lost: only a person can say.
+    The run pauses for it (the worker goes on), and once it is resolved the cancellation
+    completes, the refund never sent twice."""
+    app = make_app()
+    log: list[str] = []
+
+    def refund(op: durably.Operation) -> str:
+        log.append("refund")
+        raise TimeoutError("no answer")  # after acting
+
+    @app.tool(compensate=refund)
+    async def pay() -> str:
+        log.append("pay")
+        return "paid"
+
+    @app.workflow()
+    async def order() -> str:
+        await pay()
+        return await durably.wait_for_event("shipped")
+
+    run = app.run(order)
+    app.cancel(run.run_id, compensate=True)  # executed here: it returns, it raises nothing
+    app.worker().run(until_idle=True)
+    paused = app.get_run(run.run_id)
+    assert (paused.status, paused.status_reason) == (RunStatus.PAUSED, "effect_state_unknown")
+    assert paused.waiting_for is not None
+    assert paused.waiting_for["step_id"] == "compensate:pay#1"
+    app.resolve_effect(run.run_id, "compensate:pay#1", "succeeded", result="refunded")
+    assert app.worker().run(until_idle=True) == 1
+    assert app.get_run(run.run_id).status is RunStatus.CANCELLED
+    assert log == ["pay", "refund"]
+    statuses = {e["step_id"]: e["status"] for e in app.describe(run.run_id)["effects"]}
+    assert statuses == {"pay#1": "compensated", "compensate:pay#1": "succeeded"}

@@ -149,12 +149,14 @@ class Effect(Replaying, Reconciling, Approving, Recording):
             elif action is Action.RAISE:
                 assert op is not None
                 raise self._failed(op)
-            elif self.ctx.cancel_requested:
+            elif self.ctx.cancel_requested and not self.compensating:
                 # Only a person could settle this effect, and the run is being cancelled:
                 # it stops here, leaving the effect unknown (counted in the unknown gauges).
                 self.ctx.cancel_raised = True
                 raise Cancel
             else:
+                # A compensation of unknown outcome too: the cancelled run pauses for a person
+                # to settle it (resolve), then ends cancelled when resumed.
                 await self._pause()
 
     async def _wait_for_holder(self, op: OperationRecord) -> None:
