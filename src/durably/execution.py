@@ -110,9 +110,9 @@ class RunContext(CallIdentity, JoinsApprovals):
     """An operator's pause request (the error the paused run shows): the run pauses at its
     next boundary."""
     closing: bool = False
+    """Set when this execution is about to release the run: no step or tool call starts."""
     releasing: bool = False
     """Set once a branch began releasing the run (:meth:`release`): its commit ends it."""
-    """Set when this execution is about to release the run: no step or tool call starts."""
     approvals: dict[str, list[Approval]] = field(default_factory=dict)
     """The run's approval requests by step id, oldest first."""
     usage: dict[str, float] = field(default_factory=dict)
