@@ -357,10 +357,7 @@ class RunContext(CallIdentity, JoinsApprovals):
         if self.pause_requested is not None and not self.cancelling and not self.stopped:
             await self.release(lambda: self.commit(lambda: operator_paused(self)))
         if self.draining is not None and self.draining.is_set() and not self.stopped:
-            released = Transition(
-                events=[EventWrite("run_released", None, {"reason": "shutdown"})], release=True
-            )
-            await self.release(lambda: self.commit(released))
+            await self.release(lambda: self.commit(released("shutdown")))
 
     async def commit(
         self,
@@ -476,6 +473,11 @@ def ending(
     )
 
 
+def released(reason: str) -> Transition:
+    """The transition that hands the run back, runnable at once, for whoever goes on."""
+    return Transition(events=[EventWrite("run_released", None, {"reason": reason})], release=True)
+
+
 def operator_paused(ctx: RunContext) -> Transition:
     """The transition that pauses the run for the operator who asked, and releases it."""
     assert ctx.pause_requested is not None
@@ -497,4 +499,5 @@ __all__ = [
     "ending",
     "error_dict",
     "operator_paused",
+    "released",
 ]

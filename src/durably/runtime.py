@@ -32,7 +32,7 @@ from durably.errors import (
     RunStopped,
     StoreUnavailable,
 )
-from durably.execution import Cancel, RunContext, Suspend, ending, error_dict
+from durably.execution import Cancel, RunContext, Suspend, ending, error_dict, released
 from durably.keys import canonical_json, sha256_hex
 from durably.status import OperationStatus, PauseReason, RunStatus
 from durably.store.base import (
@@ -242,11 +242,8 @@ async def _interrupted(ctx: RunContext) -> None:
     await ctx.wind_up()
     if ctx.stopped:
         return
-    released = Transition(
-        events=[EventWrite("run_released", None, {"reason": "interrupted"})], release=True
-    )
     try:
-        await ctx.commit(released)
+        await ctx.commit(released("interrupted"))
     except (LeaseLostError, StoreUnavailable, Suspend) as lost:
         log.warning("run %s: could not release it (%r)", ctx.run.run_id, lost)
 
@@ -255,14 +252,24 @@ _UNSETTLED = (OperationStatus.EXECUTING, OperationStatus.UNKNOWN, OperationStatu
 
 
 def _unknown_outcomes(ctx: RunContext) -> list[OperationRecord]:
-    """The run's calls with no known outcome once its workflow has ended and every call in
-    flight has landed, oldest first: calls a recovery found unsettled that the replay never
-    reached again (a branch cancelled before it got there, code that changed its mind), or a
-    call whose tool ended in something no outcome could be recorded for."""
+    """The run's calls with no known outcome, oldest first. On recovery: what the replay
+    settles first. Once the workflow has ended and every call in flight has landed: calls a
+    recovery found unsettled that the replay never reached again (a branch cancelled before
+    it got there), or a call whose tool ended in something no outcome was known for."""
     return sorted(
         (op for op in ctx.operations.values() if op.status in _UNSETTLED),
         key=lambda op: op.created_at,
     )
+
+
+def _pending_action(op: OperationRecord) -> dict[str, Any]:
+    """``op`` as a checkpoint's pending action: what recovery must settle first."""
+    return {
+        "tool": op.tool,
+        "step_id": op.step_id,
+        "idempotency_key": op.idempotency_key,
+        "status": op.status.value,
+    }
 
 
 async def _pause_for_unknown(
@@ -285,12 +292,7 @@ async def _pause_for_unknown(
         "idempotency_keys": [op.idempotency_key for op in unknown],
     }
     reason = PauseReason.EFFECT_STATE_UNKNOWN.value
-    pending = {
-        "tool": first.tool,
-        "step_id": first.step_id,
-        "idempotency_key": first.idempotency_key,
-        "status": first.status.value,
-    }
+    pending = _pending_action(first)
     # The workflow has ended: running it again settles nothing (see Worker.recheck_paused).
     waiting = {**pending, "workflow_ended": True}
     try:
@@ -315,20 +317,12 @@ async def _reconciling(ctx: RunContext) -> None:
     before it makes any new call: replay reaches each of them (in the order they were made)
     and settles it, reconciling or re-sending it; the last one settled makes it ``running``
     again (see ``EffectCore._back_to_running``)."""
-    ops = sorted(
-        (op for op in ctx.operations.values() if op.status in _UNSETTLED),
-        key=lambda op: op.created_at,
-    )
+    ops = _unknown_outcomes(ctx)
     if not ops:
         return
     keys = [op.idempotency_key for op in ops]
     first = ops[0]
-    pending = {
-        "tool": first.tool,
-        "step_id": first.step_id,
-        "idempotency_key": first.idempotency_key,
-        "status": first.status.value,
-    }
+    pending = _pending_action(first)
     ctx.unsettled.update(keys)
     await ctx.commit(
         Transition(
