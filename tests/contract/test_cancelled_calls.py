@@ -473,3 +473,34 @@ def test_a_compensation_of_unknown_outcome_pauses_the_cancelled_run_for_a_person
     assert log == ["pay", "refund"]
     statuses = {e["step_id"]: e["status"] for e in app.describe(run.run_id)["effects"]}
     assert statuses == {"pay#1": "compensated", "compensate:pay#1": "succeeded"}
+
+
+def test_system_exit_from_a_step_or_the_workflow_fails_the_run_and_the_app_goes_on(
+    make_app: MakeApp,
+) -> None:
+    """Raised in the App's own event loop thread, SystemExit would end it (asyncio re-raises
+    it): every later call of the App would wait for ever."""
+    app = make_app()
+
+    @app.step(retry=durably.RetryPolicy(max_attempts=1))
+    def parse(argv: list[str]) -> int:
+        raise SystemExit(2)  # a wrapped command line's main
+
+    @app.workflow()
+    async def by_step() -> int:
+        return await parse(["--bad"])
+
+    @app.workflow()
+    async def by_itself() -> int:
+        raise SystemExit(3)
+
+    @app.workflow()
+    async def fine() -> int:
+        return 1
+
+    for wf, step_failed in ((by_step, True), (by_itself, False)):
+        run = app.run(wf)
+        assert run.status is RunStatus.FAILED, run
+        assert run.error is not None
+        assert run.error["type"] == ("StepFailed" if step_failed else "SystemExit"), run.error
+    assert app.run(fine).result == 1
