@@ -231,15 +231,24 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn)
 
 
+class CodeExited(Exception):
+    """SystemExit or KeyboardInterrupt raised by user code (a wrapped command line's main):
+    a failure of that call like any other. Let through, asyncio would re-raise it out of
+    its loop, ending the thread that runs every run of the process."""
+
+
 async def invoke(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a user function: coroutines on the loop, plain functions on a worker thread.
 
     A thread keeps a blocking tool (an HTTP client, a driver) from stalling the worker's
     other runs and its lease heartbeat; contextvars (the idempotency key) follow it.
     """
-    if _is_async(fn):
-        return await fn(*args, **kwargs)
-    result = await asyncio.to_thread(fn, *args, **kwargs)
-    if inspect.isawaitable(result):
-        return await result
-    return result
+    try:
+        if _is_async(fn):
+            return await fn(*args, **kwargs)
+        result = await asyncio.to_thread(fn, *args, **kwargs)
+        if inspect.isawaitable(result):
+            return await result
+        return result
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise CodeExited(f"{getattr(fn, '__name__', fn)} raised {exc!r}") from exc

@@ -85,9 +85,7 @@ class StepCall:
                 started = time.monotonic()
                 try:
                     value = await invoke(self.sdef.fn, *args, **kwargs)
-                # SystemExit and KeyboardInterrupt raised by the body (a wrapped command line)
-                # fail the step: let through, they would end the thread that runs every run.
-                except (Exception, SystemExit, KeyboardInterrupt) as exc:
+                except Exception as exc:
                     if attempt >= self.sdef.retry.max_attempts:
                         await self._record_failure(attempt, exc)
                     log.info("step %s attempt %d failed (%r); retrying", self.step_id, attempt, exc)
@@ -161,7 +159,7 @@ class StepCall:
         self.ctx.count("cost", cost)
         await self.ctx.check_budget()
 
-    async def _record_failure(self, attempt: int, exc: BaseException) -> NoReturn:
+    async def _record_failure(self, attempt: int, exc: Exception) -> NoReturn:
         error = error_dict(exc)
         await self.ctx.commit(
             Transition(

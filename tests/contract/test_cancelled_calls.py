@@ -504,3 +504,26 @@ def test_system_exit_from_a_step_or_the_workflow_fails_the_run_and_the_app_goes_
         assert run.error is not None
         assert run.error["type"] == ("StepFailed" if step_failed else "SystemExit"), run.error
     assert app.run(fine).result == 1
+
+
+def test_system_exit_from_a_reconcile_function_leaves_the_call_for_a_person(
+    make_app: MakeApp,
+) -> None:
+    """Every user function durably calls (bodies, reconcile=, authorize=, subscribers) goes
+    through one door, where SystemExit becomes that call's failure."""
+    app = make_app()
+
+    def lookup(op: durably.Operation) -> durably.Reconciliation:
+        raise SystemExit(1)
+
+    @app.tool(reconcile=lookup, reconcile_for=timedelta(0))
+    async def charge() -> str:
+        raise TimeoutError("no answer")
+
+    @app.workflow()
+    async def agent() -> str:
+        return await charge()
+
+    run = app.run(agent)
+    assert (run.status, run.status_reason) == (RunStatus.PAUSED, "effect_state_unknown"), run
+    assert app.describe(run.run_id)["effects"][0]["status"] in ("unknown", "reconciling")

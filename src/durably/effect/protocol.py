@@ -204,14 +204,6 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 external_ids.append(storable_text(str(exc.external_id)))
             await self._record_failure(exc, external_id=external_ids[-1] if external_ids else None)
             return
-        except (SystemExit, KeyboardInterrupt) as exc:
-            # Raised by the tool (a wrapped command line's exit): it may have acted, so the
-            # outcome is unknown and settled as any other. Let through, it would end the
-            # thread that runs every run of the process (asyncio re-raises both).
-            if self.ctx.stopped:
-                raise Suspend from exc
-            await self._record_failure(exc, unknown=True)
-            return
         except BaseException as exc:
             # A cancellation (or a group holding one) passing through the tool: it may have
             # acted already, so its outcome is recorded as unknown before the stop goes on,
