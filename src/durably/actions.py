@@ -167,9 +167,13 @@ async def resolve_effect(
     if journal is None:
         raise RunNotFound(f"no run {run_id!r}", run_id=run_id)
     run = journal.run
-    if run.status is not RunStatus.PAUSED:
+    # A run cancelled without compensations may leave an effect unknown: recording what
+    # happened keeps the ledger true, and the run stays cancelled.
+    cancelled = run.status is RunStatus.CANCELLED
+    if run.status is not RunStatus.PAUSED and not cancelled:
         raise InvalidTransition(
-            f"run {run_id} is {run.status}; only a paused run's effects are resolved by hand",
+            f"run {run_id} is {run.status}; only the effects of a paused (or cancelled) run "
+            "are resolved by hand",
             run_id=run_id,
         )
     if run.status_reason == PauseReason.OPERATOR:
@@ -275,8 +279,10 @@ async def resolve_effect(
                 attempt=op.attempt,
                 expect_row_version=op.row_version,
             ),
-            run=RunUpdate(RunStatus.QUEUED),
-            checkpoint=journal_state.draft(status=RunStatus.QUEUED, current_step=step_id),
+            run=None if cancelled else RunUpdate(RunStatus.QUEUED),
+            checkpoint=journal_state.draft(
+                status=run.status if cancelled else RunStatus.QUEUED, current_step=step_id
+            ),
         ),
     )
 

@@ -283,7 +283,8 @@ class App(Registration):
 
         ``succeeded`` records ``result`` as what the tool returned; ``not_executed`` lets the
         run execute it again with the same idempotency key; ``failed`` fails the call (the
-        workflow sees :class:`StepFailed`). The run becomes runnable (``queued``).
+        workflow sees :class:`StepFailed`). The run becomes runnable (``queued``); a cancelled
+        run stays cancelled, with the outcome recorded.
         """
         await actions.resolve_effect(self.engine, run_id, step_id, outcome, result=result, by=by)
         return await self.get_run_async(run_id)
@@ -378,8 +379,11 @@ class App(Registration):
         """Cancel a run at its next call boundary — never in the middle of an effect.
 
         ``compensate=True`` first runs the compensations of the effects it made (newest
-        first, each once). A run held by a worker is stopped by that worker; the returned
-        run may still show it running. Cancelled is final.
+        first, each once); an effect of unknown outcome pauses the run
+        (``effect_state_unknown``) until it is resolved, and the cancellation then goes on.
+        Without compensations such an effect stays unknown, resolvable later. A run held by
+        a worker is stopped by that worker; the returned run may still show it running.
+        Cancelled is final.
         """
         return self._loop.call(self.cancel_async(run_id, compensate=compensate))
 

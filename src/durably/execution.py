@@ -347,13 +347,17 @@ class RunContext(CallIdentity, JoinsApprovals):
         if done is not None and not done.done():
             done.set_result(None)
 
+    def stop_for_cancel(self) -> NoReturn:
+        """Stop the workflow here for the run's cancellation (see ``cancel_raised``)."""
+        self.cancel_raised = True
+        raise Cancel
+
     async def boundary(self, *, compensating: bool = False) -> None:
         """Before a call starts: stop here if the run is cancelled, pause it if an operator
         asked, or release it if the worker is shutting down. Never in the middle of an
         effect. While a cancelled run compensates, only its compensations go on."""
         if self.cancel_requested and not (self.cancelling and compensating):
-            self.cancel_raised = True
-            raise Cancel
+            self.stop_for_cancel()
         if self.pause_requested is not None and not self.cancelling and not self.stopped:
             await self.release(lambda: self.commit(lambda: operator_paused(self)))
         if self.draining is not None and self.draining.is_set() and not self.stopped:

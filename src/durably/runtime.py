@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from durably import context
 from durably.checkpoint import PRUNE_EVERY, JournalState
 from durably.definitions import WorkflowDef
-from durably.effect import compensate
+from durably.effect import compensate, undoable
 from durably.errors import (
     CheckpointCorrupted,
     CheckpointNotMigratable,
@@ -201,10 +201,11 @@ async def _execute(ctx: RunContext, wf: WorkflowDef) -> None:
         await ctx.let_started_calls_start()
         # A what-if replay must also have made every call its source recorded.
         outcome = _not_awaited(ctx, ctx.drop_unawaited()) if ctx.unawaited else ctx.unreached()
-    if ctx.cancel_raised and not ctx.stopped:
-        # The workflow caught its cancellation and went on (every later call stopped too):
-        # the run is cancelled all the same.
-        await _cancel(ctx)
+    if (ctx.cancel_raised or ctx.cancel_requested) and not ctx.stopped:
+        # The workflow caught its cancellation and went on (every later call stopped too),
+        # or ended after a cancel this execution had seen: its end is a boundary too, so the
+        # run is cancelled all the same, and every effect it made is compensated if asked.
+        await _cancel(ctx, ended=True)
         return
     # A branch cancelled while it released the run finishes that release first, and
     # parallel calls may still be executing: record their outcomes before the run ends.
@@ -273,17 +274,27 @@ def _pending_action(op: OperationRecord) -> dict[str, Any]:
 
 
 async def _pause_for_unknown(
-    ctx: RunContext, unknown: list[OperationRecord], failure: BaseException | None
+    ctx: RunContext,
+    unknown: list[OperationRecord],
+    failure: BaseException | None,
+    *,
+    cancelling: bool = False,
 ) -> None:
     """Pause the run ``effect_state_unknown`` for the calls in ``unknown``: each is settled
-    by hand (``durably resolve``), then ``resume`` ends the run as its workflow does."""
+    by hand (``durably resolve``), then ``resume`` ends the run as its workflow does (or
+    as its cancellation does, compensating what took effect)."""
     first = unknown[0]
     calls = ", ".join(f"{op.tool} at {op.step_id}" for op in unknown)
-    ended = "returned" if failure is None else f"raised {type(failure).__name__}"
+    if cancelling:
+        ended = "the run is cancelled with compensations"
+    else:
+        ended = "the workflow " + (
+            "returned" if failure is None else f"raised {type(failure).__name__}"
+        )
     error = {
         "type": "EffectPaused",
         "message": storable_text(
-            f"the workflow {ended}, but {len(unknown)} call(s) it made have no known outcome "
+            f"{ended}, but {len(unknown)} call(s) it made have no known outcome "
             f"(left behind by a crash and not reached again, or cut off by a stop): {calls}. "
             "Each may have taken effect: check the external system, then run `durably "
             f"resolve {ctx.run.run_id} {first.step_id} --succeeded|--not-executed|--failed`; "
@@ -390,15 +401,21 @@ async def _finish(
         log.warning("run %s: could not record %s (%r)", ctx.run.run_id, status, lost)
 
 
-async def _cancel(ctx: RunContext) -> None:
-    """Finish a cancelled run: compensate if asked, then record it cancelled (final)."""
+async def _cancel(ctx: RunContext, *, ended: bool = False) -> None:
+    """Finish a cancelled run: compensate if asked, then record it cancelled (final).
+    ``ended``: the workflow has ended, so every effect recorded was made by it."""
     await ctx.quiesce(closing=False)  # the compensations still run here
     compensated: list[str] = []
     error: dict[str, Any] | None = None
     if ctx.cancel_requested == 2:
+        unknown = [op for op in _unknown_outcomes(ctx) if undoable(ctx, op)]
+        if unknown:
+            # Whether each is undone depends on whether it took effect: a person says first.
+            await _pause_for_unknown(ctx, unknown, None, cancelling=True)
+            return
         ctx.cancelling = True
         try:
-            compensated = await compensate(ctx, ())
+            compensated = await compensate(ctx, (), every_effect=ended)
         except Exception as exc:
             if ctx.stopped:
                 return

@@ -81,6 +81,10 @@ class Shop:
         table = "orders" if PATH[kind] == "/orders" else "coupons"
         return [r for r in self.effects()[table] if r["request"]["customer"] == customer]
 
+    def emails(self, customer: str) -> list[dict[str, Any]]:
+        """The emails sent to this customer, oldest first."""
+        return [r for r in self.effects()["emails"] if r["request"]["to"] == customer]
+
     def record_ids(self, kind: str, customer: str) -> list[str]:
         return [r["id"] for r in self.records(kind, customer)]
 
@@ -148,6 +152,10 @@ class Harness:
     def resume(self, run_id: str) -> Proc:
         """A fresh process resumes the run (``app.resume``)."""
         return self._spawn(["resume", run_id], None)
+
+    def cancel(self, run_id: str) -> Proc:
+        """A fresh process cancels the run with compensations (``app.cancel``)."""
+        return self._spawn(["cancel", run_id], None)
 
     # -- the store, read (and resolved) from the test process -------------------------
 

@@ -83,6 +83,15 @@ def finish(effect: dict[str, Any]) -> dict[str, Any]:
 # -- tools ------------------------------------------------------------------------------
 
 
+def withdraw(op: durably.Operation) -> dict[str, Any]:
+    """The compensation of every race tool: the shop records a withdrawal notice, one per
+    effect undone (the tests count them)."""
+    body = {"to": op.arguments["customer"], "subject": f"withdrawn {op.step_id}", "body": ""}
+    return post_json(
+        f"{_shop()}/emails", body, idempotency_key=durably.idempotency_key(), timeout=_timeout()
+    )
+
+
 def _place_order(customer: str, campaign: str) -> dict[str, Any]:
     return post_json(
         f"{_shop()}/orders",
@@ -92,7 +101,7 @@ def _place_order(customer: str, campaign: str) -> dict[str, Any]:
     )
 
 
-@app.tool(idempotent=True, external_id=lambda r: r["order_id"])
+@app.tool(idempotent=True, external_id=lambda r: r["order_id"], compensate=withdraw)
 def idem_tool(customer: str, campaign: str) -> dict[str, Any]:
     return _place_order(customer, campaign)
 
@@ -125,12 +134,12 @@ def _issue_coupon(customer: str, campaign: str) -> dict[str, Any]:
     return coupon_view(post_json(f"{_shop()}/coupons", body, timeout=_timeout()))
 
 
-@app.tool(reconcile=find_coupon, external_id=lambda r: r["coupon_id"])
+@app.tool(reconcile=find_coupon, external_id=lambda r: r["coupon_id"], compensate=withdraw)
 def reconciled_tool(customer: str, campaign: str) -> dict[str, Any]:
     return _issue_coupon(customer, campaign)
 
 
-@app.tool(external_id=lambda r: r["coupon_id"])
+@app.tool(external_id=lambda r: r["coupon_id"], compensate=withdraw)
 def plain_tool(customer: str, campaign: str) -> dict[str, Any]:
     return _issue_coupon(customer, campaign)
 

@@ -4,12 +4,14 @@
     python -m tests.crash.runner recover RUN_ID WORKFLOW INPUT_JSON
     python -m tests.crash.runner execute RUN_ID
     python -m tests.crash.runner resume  RUN_ID
+    python -m tests.crash.runner cancel  RUN_ID
 
 ``start`` creates the run and executes it (``app.run``). ``recover`` plays a fresh process
 after a crash: it waits until the dead process's lease on the run has expired (read from
 the store, judged by the store's clock), then calls ``app.run`` again with the same run id
 and input, which re-executes the existing run. ``execute`` calls ``app.execute_async`` at
-once (it does nothing while another holder's lease is live). ``resume`` is ``app.resume``. With
+once (it does nothing while another holder's lease is live). ``resume`` is ``app.resume``;
+``cancel`` is ``app.cancel`` with compensations. With
 ``DURABLY_CRASH_AT`` set the process exits 77 at that point instead of printing anything.
 """
 
@@ -37,6 +39,8 @@ async def main(argv: list[str]) -> dict[str, Any]:
             run = await app.execute_async(run_id)
         elif mode == "resume":
             run = await app.resume_async(run_id)
+        elif mode == "cancel":
+            run = await app.cancel_async(run_id, compensate=True)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     finally:

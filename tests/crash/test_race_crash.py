@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.crash.conftest import PATH, Harness, Shop, coupon_result
+from tests.crash.conftest import PATH, Harness, Proc, Shop, coupon_result
 from tests.crash.test_crash_windows import campaign_of, result_id
 
 pytestmark = pytest.mark.crash
@@ -30,10 +30,11 @@ def settled_from_the_shop(kind: str, row: dict[str, Any]) -> dict[str, Any]:
     return {"order_id": row["id"]} if kind == "idempotent" else coupon_result(row)
 
 
-@pytest.mark.parametrize("kind", ["idempotent", "reconciled", "neither"])
-def test_calls_a_recovered_run_no_longer_reaches_pause_it_instead_of_ending_it(
+def paused_for_the_losers(
     kind: str, harness: Harness, shop: Shop, customer: str, run_id: str
-) -> None:
+) -> Proc:
+    """Start the race, crash after the first answer, recover: the run pauses for the two
+    calls the replay never reached."""
     wf = f"{kind}_race"
     # The other two calls' effects are committed, their answers held back past the crash.
     shop.service.add_fault(PATH[kind], "delay_after_commit", times=2, seconds=2.0)
@@ -52,12 +53,14 @@ def test_calls_a_recovered_run_no_longer_reaches_pause_it_instead_of_ending_it(
     assert proc.run["waiting_for"]["workflow_ended"] is True
     assert "call_1" in proc.run["error"]["message"], proc.run["error"]
     assert "call_2" in proc.run["error"]["message"], proc.run["error"]
-    # Resumed as it is, the run still cannot end.
-    again = harness.resume(run_id)
-    assert again.run is not None
-    assert again.run["waiting_for"] == proc.run["waiting_for"]
+    return proc
 
-    # What an operator does for each: look it up at the shop, resolve it, resume.
+
+def settle_from_the_shop(
+    proc: Proc, kind: str, harness: Harness, shop: Shop, customer: str, run_id: str
+) -> Proc:
+    """What an operator does for each call the run pauses for: look it up at the shop,
+    resolve it, resume."""
     for _ in range(2):
         assert proc.run is not None
         assert proc.run["status"] == "paused", proc.explain()
@@ -69,6 +72,22 @@ def test_calls_a_recovered_run_no_longer_reaches_pause_it_instead_of_ending_it(
         harness.resolve(run_id, step_id, "succeeded", settled_from_the_shop(kind, rows[0]))
         proc = harness.resume(run_id)
         assert proc.code == 0, proc.explain()
+    assert proc.run is not None
+    return proc
+
+
+@pytest.mark.parametrize("kind", ["idempotent", "reconciled", "neither"])
+def test_calls_a_recovered_run_no_longer_reaches_pause_it_instead_of_ending_it(
+    kind: str, harness: Harness, shop: Shop, customer: str, run_id: str
+) -> None:
+    proc = paused_for_the_losers(kind, harness, shop, customer, run_id)
+    assert proc.run is not None
+    # Resumed as it is, the run still cannot end.
+    again = harness.resume(run_id)
+    assert again.run is not None
+    assert again.run["waiting_for"] == proc.run["waiting_for"]
+
+    proc = settle_from_the_shop(proc, kind, harness, shop, customer, run_id)
     assert proc.run is not None
     assert proc.run["status"] == "completed", proc.explain()
 
@@ -85,3 +104,29 @@ def test_calls_a_recovered_run_no_longer_reaches_pause_it_instead_of_ending_it(
         else:
             assert rows == [], (effect, rows)
     assert result_id(proc.run["result"]) == str(rows_by_campaign[f"{CAMPAIGN}-0"][0]["id"])
+
+
+@pytest.mark.parametrize("kind", ["idempotent", "reconciled", "neither"])
+def test_cancelling_it_with_compensations_undoes_each_call_once_its_outcome_is_known(
+    kind: str, harness: Harness, shop: Shop, customer: str, run_id: str
+) -> None:
+    """Each of the losers may have taken effect: its compensation depends on that. The
+    cancellation waits for a person to say, then undoes all three, newest first."""
+    paused_for_the_losers(kind, harness, shop, customer, run_id)
+    proc = harness.cancel(run_id)
+    assert proc.code == 0, proc.explain()
+    assert proc.run is not None
+    assert (proc.run["status"], proc.run["status_reason"]) == ("paused", "effect_state_unknown")
+    assert "cancelled with compensations" in proc.run["error"]["message"], proc.run["error"]
+    assert shop.emails(customer) == []  # nothing is undone before every outcome is known
+
+    proc = settle_from_the_shop(proc, kind, harness, shop, customer, run_id)
+    assert proc.run is not None
+    assert proc.run["status"] == "cancelled", proc.explain()
+    withdrawn = [e["request"]["subject"] for e in shop.emails(customer)]
+    assert sorted(withdrawn) == ["withdrawn call_0", "withdrawn call_1", "withdrawn call_2"]
+    assert withdrawn[0] == "withdrawn call_0"  # the last call made is the first undone
+    effects = {e["step_id"]: e["status"] for e in harness.describe(run_id)["effects"]}
+    assert {k: v for k, v in effects.items() if k.startswith("call_")} == dict.fromkeys(
+        ("call_0", "call_1", "call_2"), "compensated"
+    )

@@ -104,7 +104,7 @@ def resolve(
 ) -> None:
     """Settle an unknown effect by hand. Check the external system first: did the call
     at STEP_ID of paused run RUN_ID take effect? The run becomes queued; `durably resume`
-    or a worker continues it."""
+    or a worker continues it. On a cancelled run the outcome is only recorded."""
     flags: dict[Outcome, bool] = {
         "succeeded": succeeded,
         "not_executed": not_executed,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, replace
 
+from durably.definitions import ToolDef
 from durably.effect.protocol import Effect
 from durably.execution import RunContext
 from durably.keys import json_value, plain_json
@@ -12,6 +13,7 @@ from durably.reconcile import Operation
 from durably.status import OperationStatus
 from durably.store.base import (
     EventWrite,
+    OperationRecord,
     OperationWrite,
     Transition,
 )
@@ -19,23 +21,30 @@ from durably.store.base import (
 log = logging.getLogger("durably")
 
 
-async def compensate(ctx: RunContext, step_ids: tuple[str, ...]) -> list[str]:
-    """Run the registered compensations of succeeded effects, newest first; once each."""
-    # Only effects this execution has reached, so a replay compensates exactly what the
-    # original execution did at this point; newest first.
-    order = {step_id: i for i, step_id in enumerate(ctx.reached)}
+async def compensate(
+    ctx: RunContext, step_ids: tuple[str, ...], *, every_effect: bool = False
+) -> list[str]:
+    """Run the registered compensations of succeeded effects, newest first; once each.
+
+    Only effects this execution has reached, so a replay compensates exactly what the
+    original execution did at this point; ``every_effect`` once the workflow has ended:
+    then every recorded effect is its own, also one a branch it left behind made."""
     done_states = (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED)
-    candidates = sorted(
-        (o for o in ctx.operations.values() if o.status in done_states and o.step_id in order),
-        key=lambda o: order[o.step_id],
-        reverse=True,
-    )
+    order = {step_id: i for i, step_id in enumerate(ctx.reached)}
+    made = [o for o in ctx.operations.values() if o.status in done_states]
+    if every_effect:
+        # Calls the replay did not reach again have no place in its order: the order in
+        # which their intents were recorded stands for both.
+        candidates = sorted(made, key=lambda o: (o.created_at, order.get(o.step_id, -1)))
+    else:
+        candidates = sorted((o for o in made if o.step_id in order), key=lambda o: order[o.step_id])
+    candidates.reverse()
     done = []
     for op in candidates:
         if step_ids and op.step_id not in step_ids:
             continue
-        tool = ctx.engine.registry.tool_def(op.tool, missing_ok=True)
-        if tool is None or tool.compensate is None:
+        tool = undoable(ctx, op)
+        if tool is None:
             continue
         undo = ctx.engine.registry.compensation_def(tool)
         operation = Operation(
@@ -85,3 +94,9 @@ async def compensate(ctx: RunContext, step_ids: tuple[str, ...]) -> list[str]:
             )
         done.append(op.step_id)
     return done
+
+
+def undoable(ctx: RunContext, op: OperationRecord) -> ToolDef | None:
+    """The tool of ``op`` if it registered a compensation."""
+    tool = ctx.engine.registry.tool_def(op.tool, missing_ok=True)
+    return tool if tool is not None and tool.compensate is not None else None

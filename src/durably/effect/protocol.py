@@ -31,7 +31,7 @@ from durably.errors import (
     OutcomeUnknown,
     ToolError,
 )
-from durably.execution import Cancel, Suspend
+from durably.execution import Suspend
 from durably.keys import json_value
 from durably.ledger import Action, OperationView, decide
 from durably.status import FailureCategory, OperationStatus
@@ -128,6 +128,10 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 return json_value(op.result_json or "null")
             elif action is Action.CLAIM:
                 assert op is not None
+                if self.ctx.cancel_requested and not self.compensating:
+                    # Only its intent stands (never sent, or settled as not executed):
+                    # nothing is under way, so a cancel stops it as it stops a new call.
+                    self.ctx.stop_for_cancel()
                 use = await self._approval() if op.attempt == 0 else None
                 try:
                     await self._claim("effect_executing", use_approval=use)
@@ -149,15 +153,20 @@ class Effect(Replaying, Reconciling, Approving, Recording):
             elif action is Action.RAISE:
                 assert op is not None
                 raise self._failed(op)
-            elif self.ctx.cancel_requested and not self.compensating:
-                # Only a person could settle this effect, and the run is being cancelled:
-                # it stops here, leaving the effect unknown (counted in the unknown gauges).
-                self.ctx.cancel_raised = True
-                raise Cancel
+            elif self.ctx.cancel_requested and not self.compensating and not self._undone():
+                # Only a person could settle this effect, and nothing the cancellation does
+                # depends on it: the run stops here, leaving the effect unknown (counted in
+                # the unknown gauges) for a person to record its outcome (resolve) later.
+                self.ctx.stop_for_cancel()
             else:
-                # A compensation of unknown outcome too: the cancelled run pauses for a person
-                # to settle it (resolve), then ends cancelled when resumed.
+                # Cancelled with compensations, whether this effect is undone depends on its
+                # outcome; and a compensation of unknown outcome: the run pauses for a person
+                # to settle it (resolve), then ends cancelled when it goes on.
                 await self._pause()
+
+    def _undone(self) -> bool:
+        """Whether the run's cancellation would undo this call, had it taken effect."""
+        return self.ctx.cancel_requested == 2 and self.tool.compensate is not None
 
     async def _wait_for_holder(self, op: OperationRecord) -> None:
         """Another holder claimed this call: wait until its claim runs out, then look."""
