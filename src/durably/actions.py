@@ -31,6 +31,7 @@ from durably.store.base import (
     EventWrite,
     Expect,
     NewRun,
+    OperationRecord,
     OperationWrite,
     RunRecord,
     RunUpdate,
@@ -183,13 +184,8 @@ async def resolve_effect(
             run_id=run_id,
         )
     ops = [o for o in journal.operations if o.step_id == step_id]
-    settleable = [OperationStatus.UNKNOWN, OperationStatus.RECONCILING, OperationStatus.EXECUTING]
-    if (run.waiting_for or {}).get("step_id") == step_id:
-        # The failure the run is paused at (a permission refused): not yet seen by the
-        # workflow. Any other failure was raised in it already, and acted on.
-        settleable.append(OperationStatus.FAILED)
     refused = bool(ops) and verification.refused_result(ops[0]) and outcome == "succeeded"
-    if not ops or (ops[0].status not in settleable and not refused):
+    if not ops or (not _settleable(run, ops[0]) and not refused):
         found = ops[0].status.value if ops else "no effect"
         raise InvalidTransition(
             f"step {step_id} of run {run_id} has {found}; only an unknown (or stuck) effect "
@@ -284,6 +280,29 @@ async def resolve_effect(
                 status=run.status if cancelled else RunStatus.QUEUED, current_step=step_id
             ),
         ),
+    )
+
+
+def _settleable(run: RunRecord, op: OperationRecord) -> bool:
+    """Whether a person may settle ``op`` of ``run`` (paused, or cancelled) by hand."""
+    if op.status in (
+        OperationStatus.UNKNOWN,
+        OperationStatus.RECONCILING,
+        OperationStatus.EXECUTING,
+    ):
+        return True
+    if op.status is not OperationStatus.FAILED:
+        return False
+    if (run.waiting_for or {}).get("step_id") == op.step_id:
+        # The failure the run is paused at (a permission refused): not yet seen by the
+        # workflow. Any other failure was raised in it already, and acted on.
+        return True
+    # A cancel stopped the run at a failure after the request was sent, before a pause
+    # would have marked it unknown; nothing the cancelled run does next can be rewritten.
+    return (
+        run.status is RunStatus.CANCELLED
+        and op.failure_category == FailureCategory.TRANSIENT_AFTER_SEND
+        and not (op.error or {}).get("confirmed_not_executed")
     )
 
 
@@ -406,6 +425,9 @@ async def cancel(engine: Engine, run_id: str, *, compensate: bool = False) -> No
     """Cancel the run at its next call boundary (after its compensations, if asked)."""
     store, record = await _open_run(engine, run_id)
     leased = record.lease_owner is not None and (record.lease_until or 0) > time.time()
+    # A cancel asked with compensations (a run paused for an effect it would undo) is not
+    # withdrawn by a later plain one: the compensations still run.
+    compensate = compensate or record.cancel_requested == 2
     if not leased and not compensate:
         try:
             await store.commit(

@@ -204,8 +204,8 @@ async def _execute(ctx: RunContext, wf: WorkflowDef) -> None:
     if (ctx.cancel_raised or ctx.cancel_requested) and not ctx.stopped:
         # The workflow caught its cancellation and went on (every later call stopped too),
         # or ended after a cancel this execution had seen: its end is a boundary too, so the
-        # run is cancelled all the same, and every effect it made is compensated if asked.
-        await _cancel(ctx, ended=True)
+        # run is cancelled all the same.
+        await _cancel(ctx)
         return
     # A branch cancelled while it released the run finishes that release first, and
     # parallel calls may still be executing: record their outcomes before the run ends.
@@ -401,13 +401,17 @@ async def _finish(
         log.warning("run %s: could not record %s (%r)", ctx.run.run_id, status, lost)
 
 
-async def _cancel(ctx: RunContext, *, ended: bool = False) -> None:
-    """Finish a cancelled run: compensate if asked, then record it cancelled (final).
-    ``ended``: the workflow has ended, so every effect recorded was made by it."""
+async def _cancel(ctx: RunContext) -> None:
+    """Finish a cancelled run: compensate if asked, then record it cancelled (final)."""
     await ctx.quiesce(closing=False)  # the compensations still run here
     compensated: list[str] = []
     error: dict[str, Any] | None = None
     if ctx.cancel_requested == 2:
+        if ctx.poisoned is not None:
+            # The code diverged from the run's history: no call is made, compensations
+            # included, before a person deploys the code it ran with.
+            await _finish(ctx, RunStatus.PAUSED, _PAUSE_REASONS[type(ctx.poisoned)], ctx.poisoned)
+            return
         unknown = [op for op in _unknown_outcomes(ctx) if undoable(ctx, op)]
         if unknown:
             # Whether each is undone depends on whether it took effect: a person says first.
@@ -415,7 +419,9 @@ async def _cancel(ctx: RunContext, *, ended: bool = False) -> None:
             return
         ctx.cancelling = True
         try:
-            compensated = await compensate(ctx, (), every_effect=ended)
+            # Every effect the run made, also those a branch of this replay had not reached
+            # again when another one stopped at the cancel.
+            compensated = await compensate(ctx, (), every_effect=True)
         except Exception as exc:
             if ctx.stopped:
                 return

@@ -7,7 +7,11 @@ stays unknown for good would be a lie of omission."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Literal
 
 import pytest
@@ -142,3 +146,266 @@ def test_a_plain_cancel_leaves_the_unknown_effect_settleable_and_the_run_cancell
     # The journal the resolution sealed still verifies: a fork from it starts cleanly.
     fork = app.fork(run.run_id)
     assert fork.status is RunStatus.QUEUED
+
+
+def test_an_effect_resolved_after_another_branch_stopped_at_the_cancel_is_undone(
+    make_app: MakeApp,
+) -> None:
+    """On the replay after the resolution, the other branch reaches a new call (and stops
+    at the cancel) before this one reaches the charge again: the charge is undone all the
+    same, since the cancellation undoes every effect the run made."""
+    app = make_app()
+    shop = Shop(app)
+    log = shop.log
+
+    def undo(op: durably.Operation) -> None:
+        log.append(f"undo {op.tool}")
+
+    @app.tool(idempotent=True, compensate=undo)
+    def hold_seat() -> str:
+        log.append("hold_seat")
+        return "held"
+
+    @app.tool(idempotent=True, compensate=undo)
+    async def ship() -> str:
+        await asyncio.sleep(0.3)  # the charge is recorded unknown first
+        log.append("ship")
+        return "shipped"
+
+    @app.tool(idempotent=True)
+    def notify() -> str:
+        log.append("notify")
+        return "sent"
+
+    async def pay() -> str:
+        await shop.book()
+        await hold_seat()
+        return await shop.charge()
+
+    async def deliver() -> str:
+        await ship()
+        return await notify()
+
+    @app.workflow()
+    async def order_in_parallel() -> str:
+        await durably.gather(pay(), deliver())
+        return "done"
+
+    run = app.run(order_in_parallel)
+    assert run.status is RunStatus.PAUSED
+    assert app.cancel(run.run_id, compensate=True).status is RunStatus.PAUSED
+    app.resolve_effect(run.run_id, "gather#1.0/charge#1", "succeeded", result="charged")
+    app.worker().run(until_idle=True)
+    assert app.get_run(run.run_id).status is RunStatus.CANCELLED
+    assert log[:4] == ["book", "hold_seat", "charge", "ship"]
+    assert sorted(log[4:]) == ["undo book", "undo charge", "undo hold_seat", "undo ship"], log
+    assert log.index("undo charge") < log.index("undo book")  # newest first in its branch
+
+
+def test_a_compensating_cancel_of_a_run_whose_code_diverged_pauses_it_for_the_code(
+    make_app: MakeApp,
+) -> None:
+    """No call is made by code that diverged from the run's history, compensations
+    included: the run pauses ``non_determinism`` (before, it stayed running for good)."""
+    app = make_app()
+    log: list[str] = []
+
+    @app.tool(idempotent=True, compensate=lambda op: log.append("undo book"))
+    def book() -> str:
+        log.append("book")
+        return "booked"
+
+    @app.tool(idempotent=True)
+    def audit() -> str:
+        log.append("audit")
+        return "ok"
+
+    version = {"new": False}
+
+    @app.workflow()
+    async def trip() -> Any:
+        if version["new"]:
+            await audit()  # a call inserted before the recorded ones: a divergence
+        await book()
+        return await durably.wait_for_event("go")
+
+    run = app.run(trip)
+    assert run.status is RunStatus.WAITING_EXTERNAL
+    version["new"] = True
+    held = app.cancel(run.run_id, compensate=True)
+    assert (held.status, held.status_reason) == (RunStatus.PAUSED, "non_determinism")
+    assert log == ["book"]
+    version["new"] = False  # the code the run started with, deployed again
+    assert app.resume(run.run_id).status is RunStatus.CANCELLED
+    assert log == ["book", "undo book"]
+
+
+def test_a_compensating_cancel_after_the_workflow_compensated_itself_undoes_nothing_twice(
+    make_app: MakeApp,
+) -> None:
+    app = make_app()
+    operator = make_app()
+    shop = Shop(app)
+
+    @app.tool(idempotent=True, compensate=lambda op: shop.log.append("undo hotel"))
+    def hotel() -> str:
+        shop.log.append("hotel")
+        operator.cancel(run_id, compensate=True)  # arrives while the last call is in flight
+        return "held"
+
+    @app.workflow()
+    async def trip() -> str:
+        await shop.book()
+        await durably.compensate("book#1")  # the workflow's own saga step
+        return await hotel()
+
+    run_id = app.start(trip)
+    app.worker().run(until_idle=True)
+    assert app.get_run(run_id).status is RunStatus.CANCELLED
+    assert shop.log == ["book", "undo book", "hotel", "undo hotel"]
+
+
+def test_a_compensating_cancel_of_a_run_refused_permission_cancels_it(make_app: MakeApp) -> None:
+    """The refused call never ran: there is nothing to wait for before compensating."""
+    app = make_app()
+    log: list[str] = []
+
+    @app.tool(idempotent=True, compensate=lambda op: log.append("undo book"))
+    def book() -> str:
+        log.append("book")
+        return "booked"
+
+    @app.tool(compensate=lambda op: log.append("undo transfer"), authorize=lambda op: False)
+    def transfer() -> str:
+        log.append("transfer")
+        return "sent"
+
+    @app.workflow()
+    async def pay() -> str:
+        await book()
+        return await transfer()
+
+    run = app.run(pay)
+    assert run.status_reason == "permission_denied"
+    assert app.cancel(run.run_id, compensate=True).status is RunStatus.CANCELLED
+    assert log == ["book", "undo book"]
+
+
+def test_a_plain_cancel_after_a_compensating_one_keeps_the_compensations(
+    make_app: MakeApp,
+) -> None:
+    app = make_app()
+    shop = Shop(app)
+    run = app.run(shop.order)
+    assert app.cancel(run.run_id, compensate=True).status is RunStatus.PAUSED
+    again = app.cancel(run.run_id)  # an operator who did not see the first one
+    assert (again.status, again.status_reason) == (RunStatus.PAUSED, "effect_state_unknown")
+    app.resolve_effect(run.run_id, "charge#1", "succeeded", result="charged")
+    app.worker().run(until_idle=True)
+    assert app.get_run(run.run_id).status is RunStatus.CANCELLED
+    assert shop.log == ["book", "charge", "undo charge", "undo book"]
+
+
+@pytest.mark.parametrize("how", ["retried", "reconciled"])
+def test_a_call_known_not_to_have_acted_is_not_sent_again_after_a_cancel(
+    make_app: MakeApp, how: str
+) -> None:
+    """A retry after a failure before sending, or a send again after reconcile= says it
+    never happened: both are new sends, which a pending cancel stops."""
+    app = make_app(reconcile_grace=timedelta(0))
+    operator = make_app()
+    sent: list[str] = []
+
+    def lookup(op: durably.Operation) -> durably.Reconciliation:
+        return durably.Reconciliation.not_executed()
+
+    @app.tool(
+        retry=durably.RetryPolicy(max_attempts=3, initial_interval=timedelta(milliseconds=50)),
+        reconcile=lookup if how == "reconciled" else None,
+    )
+    def charge() -> str:
+        if not sent:
+            sent.append("refused")
+            operator.cancel(run_id)  # asked while the first attempt is under way
+            if how == "retried":
+                raise durably.ToolError(
+                    "connection refused", category=durably.FailureCategory.TRANSIENT_BEFORE_SEND
+                )
+            raise durably.OutcomeUnknown("it never reached the gateway")
+        sent.append("charged")
+        return "charged"
+
+    @app.workflow()
+    async def pay() -> str:
+        return await charge()
+
+    run_id = app.start(pay)
+    app.worker().run(until_idle=True)
+    assert app.get_run(run_id).status is RunStatus.CANCELLED
+    assert sent == ["refused"]
+
+
+def test_a_failure_after_sending_that_a_plain_cancel_stopped_at_stays_settleable(
+    make_app: MakeApp,
+) -> None:
+    app = make_app()
+    operator = make_app()
+
+    @app.tool()
+    def charge() -> str:
+        operator.cancel(run_id)
+        raise durably.ToolError(
+            "connection reset after the request was sent",
+            category=durably.FailureCategory.TRANSIENT_AFTER_SEND,
+        )
+
+    @app.workflow()
+    async def pay() -> str:
+        return await charge()
+
+    run_id = app.start(pay)
+    app.worker().run(until_idle=True)
+    assert app.get_run(run_id).status is RunStatus.CANCELLED
+    app.resolve_effect(run_id, "charge#1", "succeeded", result="charged")
+    effects = {e["step_id"]: e["status"] for e in app.describe(run_id)["effects"]}
+    assert effects == {"charge#1": "succeeded"}
+
+
+def test_a_worker_stalled_past_its_lease_cannot_write_over_an_operators_cancel(
+    make_app: MakeApp,
+) -> None:
+    """Its loop blocked mid-call, the worker's lease runs out and an operator cancels the
+    run. Awake again, the worker must neither record onto the cancelled run nor make the
+    next call: the operator's commit took the lapsed lease away."""
+    app = make_app(lease_ttl=timedelta(seconds=1))
+    operator = make_app()
+    sent: list[str] = []
+    stalled = threading.Event()
+
+    @app.tool()
+    async def slow() -> str:
+        stalled.set()
+        time.sleep(2.5)  # blocks the loop: no heartbeat, the lease runs out
+        sent.append("slow")
+        return "done"
+
+    @app.tool()
+    def second() -> str:
+        sent.append("second")
+        return "done"
+
+    @app.workflow()
+    async def wf() -> str:
+        await slow()
+        return await second()
+
+    run_id = app.start(wf)
+    worker = threading.Thread(target=lambda: app.worker().run(until_idle=True))
+    worker.start()
+    assert stalled.wait(10)
+    time.sleep(1.5)  # past the lease
+    assert operator.cancel(run_id).status is RunStatus.CANCELLED
+    worker.join(20)
+    assert operator.get_run(run_id).status is RunStatus.CANCELLED
+    assert sent == ["slow"]
+    assert [e.type for e in operator.events(run_id)][-1] == "run_cancelled"

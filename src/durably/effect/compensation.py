@@ -27,13 +27,13 @@ async def compensate(
     """Run the registered compensations of succeeded effects, newest first; once each.
 
     Only effects this execution has reached, so a replay compensates exactly what the
-    original execution did at this point; ``every_effect`` once the workflow has ended:
-    then every recorded effect is its own, also one a branch it left behind made."""
+    original execution did at this point (the workflow's own ``durably.compensate``);
+    ``every_effect`` for the run's cancellation: every effect it recorded."""
     done_states = (OperationStatus.SUCCEEDED, OperationStatus.COMPENSATED)
     order = {step_id: i for i, step_id in enumerate(ctx.reached)}
     made = [o for o in ctx.operations.values() if o.status in done_states]
     if every_effect:
-        # Calls the replay did not reach again have no place in its order: the order in
+        # Calls the replay has not reached again have no place in its order: the order in
         # which their intents were recorded stands for both.
         candidates = sorted(made, key=lambda o: (o.created_at, order.get(o.step_id, -1)))
     else:
@@ -45,6 +45,9 @@ async def compensate(
             continue
         tool = undoable(ctx, op)
         if tool is None:
+            continue
+        if f"compensate:{op.step_id}" in ctx.reached:
+            done.append(op.step_id)  # undone in this execution already (by the workflow)
             continue
         undo = ctx.engine.registry.compensation_def(tool)
         operation = Operation(

@@ -346,3 +346,9 @@ class EffectCore:
 
     async def _pause(self, detail: str = "") -> None:
         raise NotImplementedError
+
+    def _stop_if_cancelled(self) -> None:
+        """For a call with nothing under way (never sent, or known not to have taken
+        effect): a cancel stops it here, as it stops a new call."""
+        if self.ctx.cancel_requested and not self.compensating:
+            self.ctx.stop_for_cancel()

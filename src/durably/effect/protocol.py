@@ -128,10 +128,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 return json_value(op.result_json or "null")
             elif action is Action.CLAIM:
                 assert op is not None
-                if self.ctx.cancel_requested and not self.compensating:
-                    # Only its intent stands (never sent, or settled as not executed):
-                    # nothing is under way, so a cancel stops it as it stops a new call.
-                    self.ctx.stop_for_cancel()
+                self._stop_if_cancelled()  # only its intent stands: never sent, or not executed
                 use = await self._approval() if op.attempt == 0 else None
                 try:
                     await self._claim("effect_executing", use_approval=use)
@@ -146,6 +143,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 await self._reconcile()
             elif action is Action.RETRY:
                 assert op is not None
+                self._stop_if_cancelled()  # the last attempt is known not to have acted
                 delay = self.tool.retry.delay_s(op.attempt)
                 delay = max(delay, float((op.error or {}).get("retry_after_s", 0)))
                 await asyncio.sleep(delay)
@@ -165,8 +163,10 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 await self._pause()
 
     def _undone(self) -> bool:
-        """Whether the run's cancellation would undo this call, had it taken effect."""
-        return self.ctx.cancel_requested == 2 and self.tool.compensate is not None
+        """Whether the run's cancellation would undo this call, had it taken effect (one
+        refused permission never ran)."""
+        refused = self.op is not None and self.op.failure_category == FailureCategory.PERMISSION
+        return self.ctx.cancel_requested == 2 and self.tool.compensate is not None and not refused
 
     async def _wait_for_holder(self, op: OperationRecord) -> None:
         """Another holder claimed this call: wait until its claim runs out, then look."""

@@ -80,6 +80,16 @@ class Reconciling(EffectCore):
                     "each time the service reported it never happened; check the service, then "
                     "resolve the step"
                 )
+            if self.ctx.cancel_requested and not self.compensating:
+                # Known not to have happened, and the run is cancelled: recorded as such,
+                # never sent again.
+                await self._apply(
+                    self._write(OperationStatus.INTENT_RECORDED),
+                    self._step(StepStatus.INTENT_RECORDED),
+                    [self._event("effect_reconciled", answer="not_executed")],
+                    run=self._back_to_running(),
+                )
+                self._stop_if_cancelled()
             await asyncio.sleep(self.tool.retry.delay_s(op.attempt))
             await self._claim("effect_reconciled", answer="not_executed")
         elif answer.answer == "running":

@@ -523,7 +523,8 @@ async def send_event(app: AppDep, run_id: str, body: EventIn) -> EventDelivery:
     responses=_MUTATING,
 )
 async def resolve_effect(app: AppDep, run_id: str, step_id: str, body: ResolveIn) -> RunOut:
-    """Settle an effect whose outcome is unknown; the run becomes queued."""
+    """Settle an effect whose outcome is unknown; the run becomes queued (a cancelled run
+    stays cancelled, with the outcome recorded)."""
     if body.result is not None and body.outcome != "succeeded":
         raise InvalidInput("result goes only with outcome succeeded", run_id=run_id)
     run = await app.resolve_effect_async(

@@ -166,9 +166,11 @@ RETURNING last_sequence, state_version, lease_until, cancel_requested,
     pause_requested;
 
 -- name: fence_expect
--- The fence of an operator's commit: no row unless the run is unchanged and unheld.
+-- The fence of an operator's commit: no row unless the run is unchanged and unheld. A
+-- holder whose lease ran out loses it here: stalled, it must not write over this commit.
 UPDATE durably_runs SET last_sequence = last_sequence + %(events)s,
-    state_version = state_version + 1, updated_at = extract(epoch FROM now())
+    state_version = state_version + 1, updated_at = extract(epoch FROM now()),
+    lease_owner = NULL
 WHERE run_id = %(run_id)s AND state_version = %(state_version)s
   AND (lease_owner IS NULL OR lease_until < extract(epoch FROM now()))
 RETURNING last_sequence, state_version, lease_until, cancel_requested,
@@ -481,7 +483,8 @@ RETURNING *;
 
 -- name: request_cancel
 -- Flag a cancel; a waiting or paused run is queued, and due now unless someone holds it.
-UPDATE durably_runs SET cancel_requested = %(cancel)s, state_version = state_version + 1,
+-- Compensations asked for once stay asked for (2 outranks 1).
+UPDATE durably_runs SET cancel_requested = GREATEST(cancel_requested, %(cancel)s), state_version = state_version + 1,
     updated_at = extract(epoch FROM now()),
     status = CASE WHEN status IN ('waiting_external', 'waiting_approval', 'paused')
         THEN 'queued' ELSE status END,

@@ -124,9 +124,10 @@ RETURNING last_sequence, state_version, lease_until, cancel_requested,
     pause_requested;
 
 -- name: fence_expect
--- The fence of an operator's commit: no row unless the run is unchanged and unheld.
+-- The fence of an operator's commit: no row unless the run is unchanged and unheld. A
+-- holder whose lease ran out loses it here: stalled, it must not write over this commit.
 UPDATE durably_runs SET last_sequence = last_sequence + :events,
-    state_version = state_version + 1, updated_at = :now
+    state_version = state_version + 1, updated_at = :now, lease_owner = NULL
 WHERE run_id = :run_id AND state_version = :state_version
   AND (lease_owner IS NULL OR lease_until < :now)
 RETURNING last_sequence, state_version, lease_until, cancel_requested,
@@ -299,7 +300,8 @@ RETURNING *;
 
 -- name: request_cancel
 -- Flag a cancel; a waiting or paused run is queued, and due now unless someone holds it.
-UPDATE durably_runs SET cancel_requested = :cancel, state_version = state_version + 1,
+-- Compensations asked for once stay asked for (2 outranks 1).
+UPDATE durably_runs SET cancel_requested = MAX(cancel_requested, :cancel), state_version = state_version + 1,
     updated_at = :now,
     status = CASE WHEN status IN ('waiting_external', 'waiting_approval', 'paused')
         THEN 'queued' ELSE status END,
