@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -218,6 +219,19 @@ def test_a_call_begun_in_a_task_the_workflow_leaves_behind_lands_before_the_run_
     assert "to-0" not in sent
 
 
+async def cancelled_once_sending(
+    app: durably.App, agent: Callable[[], Any], sending: threading.Event
+) -> None:
+    """Execute ``agent`` as run r-1 and cancel that (Ctrl-C, a caller's timeout) once its
+    tool is sending: however long the run takes to get there."""
+    execution = asyncio.ensure_future(app.run_async(agent, run_id="r-1"))
+    while not sending.is_set():
+        await asyncio.sleep(0.005)
+    execution.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await execution
+
+
 def test_an_execution_cancelled_mid_effect_records_it_and_releases_the_run(
     make_app: MakeApp, database_url: str
 ) -> None:
@@ -226,9 +240,11 @@ def test_an_execution_cancelled_mid_effect_records_it_and_releases_the_run(
     to run out), and whoever goes on replays the effect instead of making it again."""
     app = make_app()
     sent = Counter[str]()
+    sending = threading.Event()
 
     @app.tool()  # neither idempotent nor reconcilable: an unrecorded outcome needs a person
     async def charge(card: str) -> str:
+        sending.set()
         await asyncio.sleep(0.3)
         sent[card] += 1
         return f"charged {card}"
@@ -237,11 +253,7 @@ def test_an_execution_cancelled_mid_effect_records_it_and_releases_the_run(
     async def agent() -> str:
         return await charge("visa")
 
-    async def interrupted() -> None:
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(app.run_async(agent, run_id="r-1"), 0.1)
-
-    asyncio.run(interrupted())
+    asyncio.run(cancelled_once_sending(app, agent, sending))
     assert sent == Counter({"visa": 1})
     [effect] = app.describe("r-1")["effects"]
     assert effect["status"] == "succeeded"
@@ -288,9 +300,11 @@ def test_an_execution_cancelled_while_its_run_ends_still_lands_and_releases(
     caller's timeout cancels it there: the call is recorded and the run released."""
     app = make_app()
     sent = Counter[str]()
+    sending = threading.Event()
 
     @app.tool()
     async def charge(card: str) -> str:
+        sending.set()
         await asyncio.sleep(0.3)
         sent[card] += 1
         return card
@@ -302,11 +316,7 @@ def test_an_execution_cancelled_while_its_run_ends_still_lands_and_releases(
         await asyncio.sleep(0)
         return "done"
 
-    async def interrupted() -> None:
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(app.run_async(agent, run_id="r-1"), 0.1)
-
-    asyncio.run(interrupted())
+    asyncio.run(cancelled_once_sending(app, agent, sending))
     assert sent == Counter({"visa": 1})
     assert app.describe("r-1")["effects"][0]["status"] == "succeeded"
     owners = fetch_sql(database_url, "SELECT lease_owner FROM durably_runs WHERE run_id = 'r-1'")

@@ -43,6 +43,7 @@ from durably.store.base import (
 )
 from durably.store.migrations import Migration, Migrator, refused
 from durably.store.pg_group import Gathering, Write
+from durably.store.pg_pool import Pool
 from durably.store.pg_wire import send_round
 from durably.store.plans import Plan, Query, Round, Rows
 from durably.store.queries import queries
@@ -115,7 +116,7 @@ class PostgresStore(SQLStore):
         for dead in [other for other in self._pools if other.is_closed()]:
             del self._pools[dead]
             self._pool_locks.pop(dead, None)
-        pool: AsyncConnectionPool[AsyncConn] = AsyncConnectionPool(
+        pool: AsyncConnectionPool[AsyncConn] = Pool(
             self.url,
             min_size=1,
             max_size=self.pool_size,
@@ -134,7 +135,11 @@ class PostgresStore(SQLStore):
         )
         try:
             await pool.open(wait=True, timeout=self.connect_timeout_s)
-        except Exception as exc:
+        except BaseException as exc:
+            # Not kept, so never closed by close(): its workers would outlive the store.
+            await pool.close()
+            if not isinstance(exc, Exception):
+                raise  # cancelled (a caller's timeout, Ctrl-C)
             raise StoreUnavailable(
                 f"cannot connect to {shown_url(self.url)}: {without_secrets(str(exc), self.url)}"
             ) from exc
