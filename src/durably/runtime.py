@@ -286,16 +286,16 @@ async def _pause_for_unknown(
     first = unknown[0]
     calls = ", ".join(f"{op.tool} at {op.step_id}" for op in unknown)
     if cancelling:
-        ended = "the run is cancelled with compensations"
+        ended, why = "the run is cancelled with compensations", ""
     else:
         ended = "the workflow " + (
             "returned" if failure is None else f"raised {type(failure).__name__}"
         )
+        why = " (left behind by a crash and not reached again, or cut off by a stop)"
     error = {
         "type": "EffectPaused",
         "message": storable_text(
-            f"{ended}, but {len(unknown)} call(s) it made have no known outcome "
-            f"(left behind by a crash and not reached again, or cut off by a stop): {calls}. "
+            f"{ended}, but {len(unknown)} call(s) it made have no known outcome{why}: {calls}. "
             "Each may have taken effect: check the external system, then run `durably "
             f"resolve {ctx.run.run_id} {first.step_id} --succeeded|--not-executed|--failed`; "
             "the run then goes on, and pauses again for the next"

@@ -502,19 +502,18 @@ def test_concurrent_slots_of_one_worker_share_one_pool(
     multi-slot worker's log, seen in the tests above)."""
     import asyncio
 
-    from psycopg_pool import AsyncConnectionPool
-
     import durably.store.postgres as pg
+    from durably.store.pg_pool import Pool
     from tests.scale import scaleapp
 
-    opened: list[AsyncConnectionPool[Any]] = []
+    opened: list[Pool] = []
 
-    class RecordingPool(AsyncConnectionPool):  # type: ignore[type-arg]
+    class RecordingPool(Pool):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             opened.append(self)
 
-    monkeypatch.setattr(pg, "AsyncConnectionPool", RecordingPool)
+    monkeypatch.setattr(pg, "Pool", RecordingPool)
     scale.start_runs(4)  # its App is closed again: its pool is not counted below
     opened.clear()
     app = scaleapp.build(scale.url)
