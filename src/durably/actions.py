@@ -293,17 +293,9 @@ def _settleable(run: RunRecord, op: OperationRecord) -> bool:
         return True
     if op.status is not OperationStatus.FAILED:
         return False
-    if (run.waiting_for or {}).get("step_id") == op.step_id:
-        # The failure the run is paused at (a permission refused): not yet seen by the
-        # workflow. Any other failure was raised in it already, and acted on.
-        return True
-    # A cancel stopped the run at a failure after the request was sent, before a pause
-    # would have marked it unknown; nothing the cancelled run does next can be rewritten.
-    return (
-        run.status is RunStatus.CANCELLED
-        and op.failure_category == FailureCategory.TRANSIENT_AFTER_SEND
-        and not (op.error or {}).get("confirmed_not_executed")
-    )
+    # The failure the run is paused at (a permission refused): not yet seen by the
+    # workflow. Any other failure was raised in it already, and acted on.
+    return (run.waiting_for or {}).get("step_id") == op.step_id
 
 
 async def _open_run(engine: Engine, run_id: str) -> tuple[Store, RunRecord]:
@@ -426,8 +418,14 @@ async def cancel(engine: Engine, run_id: str, *, compensate: bool = False) -> No
     store, record = await _open_run(engine, run_id)
     leased = record.lease_owner is not None and (record.lease_until or 0) > time.time()
     # A cancel asked with compensations (a run paused for an effect it would undo) is not
-    # withdrawn by a later plain one: the compensations still run.
-    compensate = compensate or record.cancel_requested == 2
+    # withdrawn by a later plain one: the compensations still run. Unless the run's code
+    # diverged from its history: it makes no call, compensations included, before the code
+    # it ran with is deployed again, and a plain cancel is the way to end it without that.
+    diverged = record.status_reason in (
+        PauseReason.NON_DETERMINISM,
+        PauseReason.IDEMPOTENCY_CONFLICT,
+    )
+    compensate = compensate or (record.cancel_requested == 2 and not diverged)
     if not leased and not compensate:
         try:
             await store.commit(

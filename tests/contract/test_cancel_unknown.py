@@ -8,6 +8,7 @@ stays unknown for good would be a lie of omission."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -202,11 +203,14 @@ def test_an_effect_resolved_after_another_branch_stopped_at_the_cancel_is_undone
     assert log.index("undo charge") < log.index("undo book")  # newest first in its branch
 
 
+@pytest.mark.parametrize("then", ["old code deployed again", "plain cancel"])
 def test_a_compensating_cancel_of_a_run_whose_code_diverged_pauses_it_for_the_code(
-    make_app: MakeApp,
+    make_app: MakeApp, then: str
 ) -> None:
     """No call is made by code that diverged from the run's history, compensations
-    included: the run pauses ``non_determinism`` (before, it stayed running for good)."""
+    included: the run pauses ``non_determinism`` (before, it stayed running for good).
+    Deployed again, the code it ran with compensates; an operator who cannot deploy it
+    ends the run with a plain cancel, without compensations."""
     app = make_app()
     log: list[str] = []
 
@@ -235,9 +239,13 @@ def test_a_compensating_cancel_of_a_run_whose_code_diverged_pauses_it_for_the_co
     held = app.cancel(run.run_id, compensate=True)
     assert (held.status, held.status_reason) == (RunStatus.PAUSED, "non_determinism")
     assert log == ["book"]
-    version["new"] = False  # the code the run started with, deployed again
-    assert app.resume(run.run_id).status is RunStatus.CANCELLED
-    assert log == ["book", "undo book"]
+    if then == "plain cancel":
+        assert app.cancel(run.run_id).status is RunStatus.CANCELLED
+        assert log == ["book"]
+    else:
+        version["new"] = False
+        assert app.resume(run.run_id).status is RunStatus.CANCELLED
+        assert log == ["book", "undo book"]
 
 
 def test_a_compensating_cancel_after_the_workflow_compensated_itself_undoes_nothing_twice(
@@ -366,6 +374,7 @@ def test_a_failure_after_sending_that_a_plain_cancel_stopped_at_stays_settleable
     run_id = app.start(pay)
     app.worker().run(until_idle=True)
     assert app.get_run(run_id).status is RunStatus.CANCELLED
+    assert app.describe(run_id)["effects"][0]["status"] == "unknown"  # as a pause marks it
     app.resolve_effect(run_id, "charge#1", "succeeded", result="charged")
     effects = {e["step_id"]: e["status"] for e in app.describe(run_id)["effects"]}
     assert effects == {"charge#1": "succeeded"}
@@ -409,3 +418,65 @@ def test_a_worker_stalled_past_its_lease_cannot_write_over_an_operators_cancel(
     assert operator.get_run(run_id).status is RunStatus.CANCELLED
     assert sent == ["slow"]
     assert [e.type for e in operator.events(run_id)][-1] == "run_cancelled"
+
+
+@pytest.mark.parametrize("undo_refused", [False, True])
+def test_the_workflows_own_undo_cut_short_by_a_compensating_cancel_is_taken_up(
+    make_app: MakeApp, undo_refused: bool
+) -> None:
+    """The workflow's own ``durably.compensate()`` stops at the pending cancel before its
+    undo is sent (or the undo is refused): the cancellation sends it (or reports its
+    failure), never counts the booking undone while it stands."""
+    app = make_app()
+    operator = make_app()
+    log: list[str] = []
+
+    def undo(op: durably.Operation) -> str:
+        log.append("undo book")
+        if undo_refused:
+            raise durably.ToolError(
+                "too late to cancel", category=durably.FailureCategory.BUSINESS_REJECTED
+            )
+        return "undone"
+
+    @app.tool(idempotent=True, compensate=undo)
+    def book() -> str:
+        log.append("book")
+        return "booked"
+
+    @app.tool()
+    def pay() -> str:
+        log.append("pay")
+        if not undo_refused:
+            operator.cancel(run_id, compensate=True)  # arrives while this call is in flight
+        raise durably.ToolError("declined", category=durably.FailureCategory.BUSINESS_REJECTED)
+
+    @app.tool(idempotent=True)
+    def notify() -> str:
+        operator.cancel(run_id, compensate=True)
+        return "sent"
+
+    @app.workflow()
+    async def order() -> str:
+        await book()
+        try:
+            return await pay()
+        except durably.StepFailed:
+            with contextlib.suppress(durably.StepFailed):
+                await durably.compensate()  # the workflow's own saga
+            return await notify()
+
+    run_id = app.start(order)
+    app.worker().run(until_idle=True)
+    assert app.get_run(run_id).status is RunStatus.CANCELLED
+    [cancelled] = [e.payload for e in app.events(run_id) if e.type == "run_cancelled"]
+    effects = {e["step_id"]: e["status"] for e in app.describe(run_id)["effects"]}
+    if undo_refused:
+        assert log == ["book", "pay", "undo book"]  # refused once, not sent again
+        assert effects["book#1"] == "succeeded"
+        assert cancelled["compensated"] == []
+        assert cancelled["compensation_error"]["type"] == "StepFailed"
+    else:
+        assert log == ["book", "pay", "undo book"]
+        assert effects["book#1"] == "compensated"
+        assert cancelled["compensated"] == ["book#1"]

@@ -46,9 +46,14 @@ async def compensate(
         tool = undoable(ctx, op)
         if tool is None:
             continue
-        if f"compensate:{op.step_id}" in ctx.reached:
-            done.append(op.step_id)  # undone in this execution already (by the workflow)
-            continue
+        undo_id = f"compensate:{op.step_id}"
+        if every_effect:
+            if op.status is OperationStatus.COMPENSATED:
+                done.append(op.step_id)  # undone already: by the workflow, or before a crash
+                continue
+            # The workflow's own undo of it, cut short by the cancel or failed: the
+            # cancellation takes it up (and meets its failure again, if it failed).
+            ctx.reached.pop(undo_id, None)
         undo = ctx.engine.registry.compensation_def(tool)
         operation = Operation(
             run_id=op.run_id,
@@ -60,7 +65,7 @@ async def compensate(
             attempt=op.attempt,
             result=json_value(op.result_json or "null"),
         )
-        undoing = Effect(ctx, undo, (asdict(operation),), {}, f"compensate:{op.step_id}")
+        undoing = Effect(ctx, undo, (asdict(operation),), {}, undo_id)
         undoing.compensating = True
         await undoing.settle()
         current = ctx.operations[op.idempotency_key]

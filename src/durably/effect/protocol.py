@@ -34,7 +34,7 @@ from durably.errors import (
 from durably.execution import Suspend
 from durably.keys import json_value
 from durably.ledger import Action, OperationView, decide
-from durably.status import FailureCategory, OperationStatus
+from durably.status import FailureCategory, OperationStatus, StepStatus
 from durably.store.base import (
     OperationRecord,
 )
@@ -155,12 +155,30 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 # Only a person could settle this effect, and nothing the cancellation does
                 # depends on it: the run stops here, leaving the effect unknown (counted in
                 # the unknown gauges) for a person to record its outcome (resolve) later.
+                await self._unknown_at_cancel()
                 self.ctx.stop_for_cancel()
             else:
                 # Cancelled with compensations, whether this effect is undone depends on its
                 # outcome; and a compensation of unknown outcome: the run pauses for a person
                 # to settle it (resolve), then ends cancelled when it goes on.
                 await self._pause()
+
+    async def _unknown_at_cancel(self) -> None:
+        """Mark a failure after sending ``unknown``, as a pause would have: the cancelled run
+        leaves it for a person to settle."""
+        op = self.op
+        assert op is not None
+        if op.status is not OperationStatus.FAILED or op.failure_category in (
+            FailureCategory.PERMISSION,  # refused before it ran
+            None,
+        ):
+            return
+        error = op.error or {}
+        await self._apply(
+            self._write(OperationStatus.UNKNOWN, error=error),
+            self._step(StepStatus.UNKNOWN, error=error),
+            [self._event("effect_unknown", category=op.failure_category, **error)],
+        )
 
     def _undone(self) -> bool:
         """Whether the run's cancellation would undo this call, had it taken effect (one
