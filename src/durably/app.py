@@ -150,9 +150,12 @@ class App(Registration):
         await self.engine.close()
 
     def close(self) -> None:
-        """Close the store and stop the thread that runs the blocking methods."""
+        """Close the store and stop the thread that runs the blocking methods (with the
+        connections of event loops that used the App and have ended)."""
         if self._loop.running:
             self._loop.call(self.close_async())
+        else:
+            self.engine.close_ended_loops()
         self._loop.stop()
 
     # -- runs ---------------------------------------------------------------------------

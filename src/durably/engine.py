@@ -75,6 +75,11 @@ class Engine:
             await self._store.close()
             self._store = None
 
+    def close_ended_loops(self) -> None:
+        """Close the store's connections of event loops that have ended (no loop needed)."""
+        if self._store is not None:
+            self._store.close_ended_loops()
+
     def block(self, coro: Coroutine[Any, Any, R]) -> R:
         """Run ``coro`` on the engine's loop and wait for it (from outside any loop)."""
         return self.loop.call(coro)

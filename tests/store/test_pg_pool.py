@@ -1,15 +1,21 @@
-"""A loop that ends while the PostgreSQL pool is busy ends: ``asyncio.run`` cancels every
-task left and waits for them all, and psycopg_pool's workers swallow a cancellation that
-reaches them inside a task (a connection being made), then wait on their queue for good."""
+"""The PostgreSQL pools of event loops other than the App's own: a loop that ends while its
+pool is busy ends (``asyncio.run`` cancels every task left and waits for them all, and
+psycopg_pool's workers swallow a cancellation that reaches them inside a task, then wait on
+their queue for good), and the connections of a loop that ended are closed with the App."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
+import time
+import uuid
 
+import psycopg
+
+import durably
 from durably.store.pg_pool import Pool
-from tests.conftest import postgres_schema_url
+from tests.conftest import POSTGRES_URL, postgres_schema_url
 
 
 class _Swallowing:
@@ -43,3 +49,30 @@ def test_a_loop_ended_while_a_pool_worker_runs_a_task_ends(postgres_schema: str)
 
     threading.Thread(target=run, daemon=True).start()
     assert ended.wait(15), "asyncio.run never returned: a pool worker outlived the cancel"
+
+
+def test_the_connections_of_loops_that_ended_are_closed_with_the_app(postgres_schema: str) -> None:
+    """``asyncio.run(app.run_async(...))`` opens a pool for that loop, and the loop ends
+    without closing it (its ``close()`` needs the loop): ``app.close()`` closes them."""
+    name = f"durably_{uuid.uuid4().hex[:12]}"
+    app = durably.App(f"{postgres_schema_url(postgres_schema)}&application_name={name}")
+
+    @app.workflow()
+    async def wf() -> int:
+        return 1
+
+    def connections() -> int:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            query = "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+            row = conn.execute(query, (name,)).fetchone()
+            assert row is not None
+            return int(row[0])
+
+    for _ in range(3):
+        assert asyncio.run(app.run_async(wf)).result == 1
+    assert connections() >= 1  # the last loop's pool (each new one closes the earlier ones')
+    app.close()
+    deadline = time.monotonic() + 10
+    while connections() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the server notices a closed socket at once, but not in step
+    assert connections() == 0

@@ -382,6 +382,11 @@ class Store(abc.ABC):
     async def close(self) -> None: ...
 
     @abc.abstractmethod
+    def close_ended_loops(self) -> None:
+        """Close what event loops that have ended left open (connections a loop's own
+        ``close`` would have closed); needs no event loop."""
+
+    @abc.abstractmethod
     async def now(self) -> float:
         """The store's clock (UTC unix seconds): leases are judged by it, not a worker's."""
 

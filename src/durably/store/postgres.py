@@ -29,7 +29,6 @@ import psycopg.errors
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool
 
 from durably.errors import ConfigurationError, InvalidTransition, StoreUnavailable
 from durably.store import pg_wire
@@ -95,7 +94,7 @@ class PostgresStore(SQLStore):
         self.connect_timeout_s = connect_timeout_s
         self._connect_timeout = max(1, math.ceil(connect_timeout_s))
         # A pool belongs to the event loop that opened it: one per loop using this store.
-        self._pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool[AsyncConn]] = {}
+        self._pools: dict[asyncio.AbstractEventLoop, Pool] = {}
         # A LISTEN connection belongs to the task that waits on it (a worker's listener).
         self._listeners: dict[asyncio.Task[Any], AsyncConn] = {}
         self._pool_locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
@@ -103,7 +102,7 @@ class PostgresStore(SQLStore):
 
     # -- connections --------------------------------------------------------------------
 
-    async def _get_pool(self) -> AsyncConnectionPool[AsyncConn]:
+    async def _get_pool(self) -> Pool:
         loop = asyncio.get_running_loop()
         pool_of_loop = self._pools.get(loop)
         if pool_of_loop is not None:
@@ -112,11 +111,15 @@ class PostgresStore(SQLStore):
         async with self._pool_locks.setdefault(loop, asyncio.Lock()):
             return self._pools.get(loop) or await self._open_pool(loop)
 
-    async def _open_pool(self, loop: asyncio.AbstractEventLoop) -> AsyncConnectionPool[AsyncConn]:
-        for dead in [other for other in self._pools if other.is_closed()]:
-            del self._pools[dead]
-            self._pool_locks.pop(dead, None)
-        pool: AsyncConnectionPool[AsyncConn] = Pool(
+    def close_ended_loops(self) -> None:
+        """Close the connections of the pools of event loops that have ended."""
+        for ended in [other for other in self._pools if other.is_closed()]:
+            self._pools.pop(ended).abandon()
+            self._pool_locks.pop(ended, None)
+
+    async def _open_pool(self, loop: asyncio.AbstractEventLoop) -> Pool:
+        self.close_ended_loops()
+        pool = Pool(
             self.url,
             min_size=1,
             max_size=self.pool_size,
@@ -312,11 +315,13 @@ class PostgresStore(SQLStore):
         return await asyncio.to_thread(apply)
 
     async def close(self) -> None:
-        """Close the connections opened from the running event loop."""
+        """Close the connections opened from the running event loop, and those of event
+        loops that have ended."""
         loop = asyncio.get_running_loop()
         for task in list(self._listeners):
             if task.get_loop() is loop:
                 self._drop_listener(task)
+        self.close_ended_loops()
         pool = self._pools.pop(loop, None)
         if pool is not None:
             await pool.close()

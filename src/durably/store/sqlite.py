@@ -310,6 +310,9 @@ class SQLiteStore(SQLStore):
     async def now(self) -> float:
         return time.time()
 
+    def close_ended_loops(self) -> None:
+        return  # one connection for every loop, closed by close()
+
     # -- schema -------------------------------------------------------------------------
 
     async def migrate(self) -> list[int]:
