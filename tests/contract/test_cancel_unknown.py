@@ -212,12 +212,8 @@ def test_a_compensating_cancel_of_a_run_whose_code_diverged_pauses_it_for_the_co
     Deployed again, the code it ran with compensates; an operator who cannot deploy it
     ends the run with a plain cancel, without compensations."""
     app = make_app()
-    log: list[str] = []
-
-    @app.tool(idempotent=True, compensate=lambda op: log.append("undo book"))
-    def book() -> str:
-        log.append("book")
-        return "booked"
+    shop = Shop(app)
+    log = shop.log
 
     @app.tool(idempotent=True)
     def audit() -> str:
@@ -230,7 +226,7 @@ def test_a_compensating_cancel_of_a_run_whose_code_diverged_pauses_it_for_the_co
     async def trip() -> Any:
         if version["new"]:
             await audit()  # a call inserted before the recorded ones: a divergence
-        await book()
+        await shop.book()
         return await durably.wait_for_event("go")
 
     run = app.run(trip)
@@ -276,27 +272,22 @@ def test_a_compensating_cancel_after_the_workflow_compensated_itself_undoes_noth
 def test_a_compensating_cancel_of_a_run_refused_permission_cancels_it(make_app: MakeApp) -> None:
     """The refused call never ran: there is nothing to wait for before compensating."""
     app = make_app()
-    log: list[str] = []
+    shop = Shop(app)
 
-    @app.tool(idempotent=True, compensate=lambda op: log.append("undo book"))
-    def book() -> str:
-        log.append("book")
-        return "booked"
-
-    @app.tool(compensate=lambda op: log.append("undo transfer"), authorize=lambda op: False)
+    @app.tool(compensate=lambda op: shop.log.append("undo transfer"), authorize=lambda op: False)
     def transfer() -> str:
-        log.append("transfer")
+        shop.log.append("transfer")
         return "sent"
 
     @app.workflow()
     async def pay() -> str:
-        await book()
+        await shop.book()
         return await transfer()
 
     run = app.run(pay)
     assert run.status_reason == "permission_denied"
     assert app.cancel(run.run_id, compensate=True).status is RunStatus.CANCELLED
-    assert log == ["book", "undo book"]
+    assert shop.log == ["book", "undo book"]
 
 
 def test_a_plain_cancel_after_a_compensating_one_keeps_the_compensations(

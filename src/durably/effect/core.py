@@ -347,8 +347,13 @@ class EffectCore:
     async def _pause(self, detail: str = "") -> None:
         raise NotImplementedError
 
+    @property
+    def _cancel_pending(self) -> bool:
+        """The run is cancelled, and this call is not one of its compensations."""
+        return bool(self.ctx.cancel_requested) and not self.compensating
+
     def _stop_if_cancelled(self) -> None:
         """For a call with nothing under way (never sent, or known not to have taken
         effect): a cancel stops it here, as it stops a new call."""
-        if self.ctx.cancel_requested and not self.compensating:
+        if self._cancel_pending:
             self.ctx.stop_for_cancel()

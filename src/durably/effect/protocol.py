@@ -151,7 +151,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
             elif action is Action.RAISE:
                 assert op is not None
                 raise self._failed(op)
-            elif self.ctx.cancel_requested and not self.compensating and not self._undone():
+            elif self._cancel_pending and not self._undone():
                 # Only a person could settle this effect, and nothing the cancellation does
                 # depends on it: the run stops here, leaving the effect unknown (counted in
                 # the unknown gauges) for a person to record its outcome (resolve) later.

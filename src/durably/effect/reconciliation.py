@@ -80,7 +80,7 @@ class Reconciling(EffectCore):
                     "each time the service reported it never happened; check the service, then "
                     "resolve the step"
                 )
-            if self.ctx.cancel_requested and not self.compensating:
+            if self._cancel_pending:
                 # Known not to have happened, and the run is cancelled: recorded as such,
                 # never sent again.
                 await self._apply(
@@ -89,7 +89,7 @@ class Reconciling(EffectCore):
                     [self._event("effect_reconciled", answer="not_executed")],
                     run=self._back_to_running(),
                 )
-                self._stop_if_cancelled()
+                self.ctx.stop_for_cancel()
             await asyncio.sleep(self.tool.retry.delay_s(op.attempt))
             await self._claim("effect_reconciled", answer="not_executed")
         elif answer.answer == "running":
