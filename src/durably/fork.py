@@ -10,6 +10,7 @@ happens unless the mode says so.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from durably.actions import new_run_id, receipt
@@ -20,7 +21,6 @@ from durably.keys import KEY_SCHEME, canonical_json, idempotency_key, plain_json
 from durably.status import OperationStatus, ReplayMode, RunStatus, StepStatus
 from durably.store.base import (
     EventWrite,
-    Expect,
     Journal,
     NewRun,
     OperationWrite,
@@ -78,12 +78,9 @@ async def fork(
         key_scheme=KEY_SCHEME,
         receipt=receipt(engine, run_id),
     )
-    record, created = await store.create_run(new)
-    if not created:
-        raise InvalidInput(f"run {new.run_id} exists already; fork under a new run id")
     ops = {o.step_id: o for o in journal.operations}
     state = JournalState(run_id=new.run_id, key=engine.secret_key)
-    version = record.state_version
+    copies = []
     for step in kept:
         output_json = step.output_json or "null"
         state.settle(step.step_id, sha256_hex(output_json))
@@ -115,8 +112,7 @@ async def fork(
                 external_operation_id=op.external_operation_id,
                 attempt=op.attempt,
             )
-        committed = await store.commit(
-            Expect(new.run_id, version),
+        copies.append(
             Transition(
                 events=[
                     EventWrite(
@@ -139,10 +135,16 @@ async def fork(
                     model_call=step.model_call,
                 ),
                 operation=write,
-                checkpoint=state.draft(status=RunStatus.QUEUED.value, current_step=step.step_id),
-            ),
+            )
         )
-        version = committed.state_version
+    if kept:
+        # One checkpoint seals the whole copied journal: the fork is written at once.
+        draft = state.draft(status=RunStatus.QUEUED.value, current_step=kept[-1].step_id)
+        copies[-1] = replace(copies[-1], checkpoint=draft)
+    # One transaction: a worker must not take the fork up before its whole history is
+    # there (it would run again what the source did), nor find half of it after a crash.
+    if await store.create_fork(new, copies) is None:
+        raise InvalidInput(f"run {new.run_id} exists already; fork under a new run id")
     return new.run_id
 
 

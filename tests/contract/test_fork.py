@@ -3,6 +3,7 @@ under its replay mode. What the services received is counted by the tools themse
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -143,3 +144,44 @@ def test_an_unknown_fork_point_is_refused(make_app: MakeApp, at: str) -> None:
         app.fork(source.run_id, at=at)
     with pytest.raises(durably.RunNotFound):
         app.fork("run_missing")
+
+
+def test_a_worker_racing_the_fork_sees_it_only_with_its_whole_history(
+    make_app: MakeApp,
+) -> None:
+    """A worker polling while the fork is written must not take it up before every copied
+    call is there: it would run again what the source already did, and the fork's own
+    copying would then be refused."""
+    app = make_app()
+    ran: Counter[int] = Counter()
+
+    @app.step()
+    async def work(k: int) -> int:
+        ran[k] += 1
+        return k
+
+    @app.workflow()
+    async def loop(n: int) -> int:
+        total = 0
+        for k in range(n):
+            total += await work(k)
+        return total
+
+    source = app.run("loop", 40)
+    assert source.status is RunStatus.COMPLETED
+    worker = app.worker()
+
+    async def race() -> durably.Run:
+        forking = asyncio.ensure_future(app.fork_async(source.run_id))
+        while not forking.done():
+            await worker.run_async(until_idle=True)
+            await asyncio.sleep(0)
+        await worker.run_async(until_idle=True)
+        return await forking
+
+    forked = asyncio.run(race())
+    done = app.get_run(forked.run_id)
+    assert done.status is RunStatus.COMPLETED, done.error
+    assert done.result == source.result
+    assert ran == Counter(range(40)), "every step ran once, in the source"
+    assert len(app.describe(forked.run_id)["steps"]) == 40

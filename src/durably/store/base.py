@@ -395,6 +395,12 @@ class Store(abc.ABC):
         """Insert a queued run (with its ``run_started`` event) or return the existing one."""
 
     @abc.abstractmethod
+    async def create_fork(self, new: NewRun, copies: Sequence[Transition]) -> RunRecord | None:
+        """``create_run`` and each of ``copies`` committed to the new run in turn (guarded
+        by the state the one before left), in one transaction: no worker sees the run
+        before its whole history. None, and nothing written, if the run id is taken."""
+
+    @abc.abstractmethod
     async def start_run(
         self, new: NewRun, owner: str, ttl_s: float
     ) -> tuple[RunRecord, bool, Claim | None]:

@@ -5,7 +5,9 @@ nothing the fence returns, in one round.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from durably.checkpoint import CHECKPOINTS_KEPT
 from durably.errors import ApprovalExpired, InvalidTransition
@@ -16,7 +18,9 @@ from durably.store.base import (
     Committed,
     Expect,
     Lease,
+    NewRun,
     OperationWrite,
+    RunRecord,
     StepWrite,
     Transition,
 )
@@ -28,8 +32,11 @@ from durably.store.plans import (
     insert_event,
     json_or_none,
     lease_lost,
+    received,
 )
 from durably.store.rows import Row, loads, run_from_row
+
+T = TypeVar("T")
 
 # -- the commit: fence, refusals, then the rest ------------------------------------------
 
@@ -216,6 +223,34 @@ def _commit_step(guard: Lease, t: Transition) -> Plan[Committed]:
     if not fenced:
         raise lease_lost(guard)
     return _committed(fenced[0], None)
+
+
+def create_fork(new: NewRun, copies: Sequence[Transition]) -> Plan[RunRecord | None]:
+    """``Store.create_fork``: the run as ``create_run`` inserts it, then each of ``copies``
+    committed to it in turn, all in one transaction; None (nothing written) if the run id
+    is taken."""
+    (inserted,) = yield Round([("insert_run", vars(new))])
+    if not inserted:
+        return None
+    state_version = int(inserted[0]["state_version"])
+    yield Round(received(new, state_version))
+    for t in copies:
+        committed = yield from _within(commit(Expect(new.run_id, state_version), t))
+        state_version = committed.state_version
+    (row,) = yield Round([_read_back(new.run_id)], final=True, notify=True)
+    return run_from_row(row[0])
+
+
+def _within(plan: Plan[T]) -> Plan[T]:
+    """``plan`` as a part of a larger transaction: none of its rounds commits."""
+    sending = next(plan)
+    while True:
+        answers = yield replace(sending, final=False, notify=False)
+        try:
+            sending = plan.send(answers)
+        except StopIteration as finished:
+            result: T = finished.value
+            return result
 
 
 def fits_one_statement(t: Transition) -> bool:

@@ -118,7 +118,7 @@ def create_run(new: NewRun) -> Plan[tuple[RunRecord, bool]]:
     read the existing one."""
     (inserted,) = yield Round([("insert_run", vars(new))])
     if inserted:
-        yield Round(_received(new, inserted[0]["state_version"]), final=True, notify=True)
+        yield Round(received(new, inserted[0]["state_version"]), final=True, notify=True)
         return run_from_row(inserted[0]), True
     (existing,) = yield Round([("get_run", {"run_id": new.run_id})], final=True)
     return run_from_row(existing[0]), False
@@ -135,9 +135,9 @@ def start_run(
     (a data-modifying ``WITH``), so the whole start is one round.
     """
     # What create_run writes, its receipt sealed at the state before the lease.
-    received = _received(new, 1)
-    event_json = received[0][1]["payload_json"]
-    receipt = received[1][1] if len(received) > 1 else None
+    writes = received(new, 1)
+    event_json = writes[0][1]["payload_json"]
+    receipt = writes[1][1] if len(writes) > 1 else None
     params = {
         **vars(new),
         "owner": owner,
@@ -156,7 +156,7 @@ def start_run(
     else:
         (started,) = yield Round([("start_run", params)])
         if started:
-            yield Round(received, final=True)
+            yield Round(writes, final=True)
         else:
             (existing,) = yield Round([("get_run", {"run_id": new.run_id})], final=True)
     if not started:
@@ -199,7 +199,7 @@ def _started(new: NewRun) -> dict[str, Any]:
     return {"workflow": new.workflow, "version": new.workflow_version}
 
 
-def _received(new: NewRun, state_version: int) -> list[Query]:
+def received(new: NewRun, state_version: int) -> list[Query]:
     """A new run's ``run_started`` event and its receipt checkpoint, sealed at
     ``state_version``."""
     queries = [insert_event(new.run_id, 1, "run_started", None, _started(new))]
