@@ -39,12 +39,14 @@ async def fork(
     replay: ReplayMode,
     run_id: str | None,
     what_if: bool = False,
+    owner: str | None = None,
 ) -> str:
     """Create the fork of ``source_id`` (queued) and return its run id.
 
     ``at``: the source's step id (or checkpoint id) to fork after; ``None`` keeps every
     call the source settled. ``what_if``: a what-if replay (``whatif.py``), whose every
-    call must be one the source recorded.
+    call must be one the source recorded. ``owner``: the fork is leased to it, who
+    executes it at once (``actions.execute(..., owner=owner)``), not queued for a worker.
     """
     check_ref(source_id, "run id")
     if at is not None:
@@ -143,7 +145,8 @@ async def fork(
         copies[-1] = replace(copies[-1], checkpoint=draft)
     # One transaction: a worker must not take the fork up before its whole history is
     # there (it would run again what the source did), nor find half of it after a crash.
-    if await store.create_fork(new, copies) is None:
+    ttl_s = engine.lease_ttl.total_seconds()
+    if await store.create_fork(new, copies, owner=owner, ttl_s=ttl_s) is None:
         raise InvalidInput(f"run {new.run_id} exists already; fork under a new run id")
     return new.run_id
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from durably import actions, fork
+from durably import actions, fork, owners
 from durably.engine import Engine
 from durably.errors import InvalidInput, InvalidTransition, RunNotFound
 from durably.keys import sha256_hex
@@ -112,10 +112,13 @@ async def replay(engine: Engine, run_id: str, mode: ReplayMode | str) -> ReplayR
             f"run {run_id} recorded no calls, so there is nothing to replay against",
             run_id=run_id,
         )
+    # Leased to this process from its creation: a worker polling meanwhile must not take
+    # it up, or this report would be read off a run still executing there.
+    owner = owners.owner_name("inproc")
     what_if = await fork.fork(
-        engine, run_id, at=None, replay=replay_mode, run_id=None, what_if=True
+        engine, run_id, at=None, replay=replay_mode, run_id=None, what_if=True, owner=owner
     )
-    await actions.execute(engine, what_if)
+    await actions.execute(engine, what_if, owner=owner)
     new = await store.get_run(what_if)
     assert new is not None
     ran = Run.from_record(new)

@@ -4,6 +4,7 @@ its own App on the same database, as a deploy would be; the tools count what rea
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +82,30 @@ def test_unchanged_code_reproduces_the_run_and_runs_nothing(make_app: MakeApp) -
     forked = [e.payload["from"] for e in events if e.type == "step_forked"]
     assert forked == [source.run_id] * 3
     assert shop.app.get_run(source.run_id).status is RunStatus.COMPLETED
+
+
+def test_a_worker_polling_meanwhile_leaves_the_what_if_to_its_caller(
+    make_app: MakeApp,
+) -> None:
+    """The what-if is executed where it was asked for: a worker of the same code polling
+    while it is written must not take it up, or the report would be read off a run still
+    executing elsewhere."""
+    source, _ = completed_run(make_app)
+    shop = Shop(make_app())
+    worker = shop.app.worker()
+
+    async def race() -> durably.ReplayReport:
+        replaying = asyncio.ensure_future(shop.app.replay_async(source.run_id))
+        while not replaying.done():
+            await worker.run_async(until_idle=True)
+            await asyncio.sleep(0)
+        return await replaying
+
+    report = asyncio.run(race())
+    assert report.reproduced, report.divergence
+    assert report.status is RunStatus.COMPLETED
+    assert worker.executed == 0
+    assert shop.ran == Counter()
 
 
 @pytest.mark.parametrize(

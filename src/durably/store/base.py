@@ -395,10 +395,20 @@ class Store(abc.ABC):
         """Insert a queued run (with its ``run_started`` event) or return the existing one."""
 
     @abc.abstractmethod
-    async def create_fork(self, new: NewRun, copies: Sequence[Transition]) -> RunRecord | None:
+    async def create_fork(
+        self,
+        new: NewRun,
+        copies: Sequence[Transition],
+        *,
+        owner: str | None = None,
+        ttl_s: float = 0.0,
+    ) -> RunRecord | None:
         """``create_run`` and each of ``copies`` committed to the new run in turn (guarded
         by the state the one before left), in one transaction: no worker sees the run
-        before its whole history. None, and nothing written, if the run id is taken."""
+        before its whole history. ``owner``: the run is then leased to it for ``ttl_s``,
+        so that no worker takes it up and the creator's ``claim_run`` does (a what-if is
+        executed by whoever asked for it). None, and nothing written, if the run id is
+        taken."""
 
     @abc.abstractmethod
     async def start_run(

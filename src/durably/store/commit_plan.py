@@ -225,10 +225,12 @@ def _commit_step(guard: Lease, t: Transition) -> Plan[Committed]:
     return _committed(fenced[0], None)
 
 
-def create_fork(new: NewRun, copies: Sequence[Transition]) -> Plan[RunRecord | None]:
+def create_fork(
+    new: NewRun, copies: Sequence[Transition], owner: str | None, ttl_s: float
+) -> Plan[RunRecord | None]:
     """``Store.create_fork``: the run as ``create_run`` inserts it, then each of ``copies``
-    committed to it in turn, all in one transaction; None (nothing written) if the run id
-    is taken."""
+    committed to it in turn, then (``owner``) leased, all in one transaction; None
+    (nothing written) if the run id is taken."""
     (inserted,) = yield Round([("insert_run", vars(new))])
     if not inserted:
         return None
@@ -237,7 +239,11 @@ def create_fork(new: NewRun, copies: Sequence[Transition]) -> Plan[RunRecord | N
     for t in copies:
         committed = yield from _within(commit(Expect(new.run_id, state_version), t))
         state_version = committed.state_version
-    (row,) = yield Round([_read_back(new.run_id)], final=True, notify=True)
+    if owner is None:
+        (row,) = yield Round([_read_back(new.run_id)], final=True, notify=True)
+    else:
+        leased = {"run_id": new.run_id, "owner": owner, "ttl": ttl_s}
+        (row,) = yield Round([("lease_to_creator", leased)], final=True)
     return run_from_row(row[0])
 
 

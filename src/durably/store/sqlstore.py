@@ -85,8 +85,15 @@ class SQLStore(Store):
         # Idempotent: a retry after a lost COMMIT finds the run it created.
         return await self._run(lambda: plans.create_run(new), idempotent=True)
 
-    async def create_fork(self, new: NewRun, copies: Sequence[Transition]) -> RunRecord | None:
-        return await self._run(lambda: commit_plan.create_fork(new, copies))
+    async def create_fork(
+        self,
+        new: NewRun,
+        copies: Sequence[Transition],
+        *,
+        owner: str | None = None,
+        ttl_s: float = 0.0,
+    ) -> RunRecord | None:
+        return await self._run(lambda: commit_plan.create_fork(new, copies, owner, ttl_s))
 
     async def start_run(
         self, new: NewRun, owner: str, ttl_s: float

@@ -58,6 +58,16 @@ WHERE (%(status)s::text IS NULL OR status = %(status)s)
   AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s)
 ORDER BY created_at DESC, run_id LIMIT %(limit)s;
 
+-- name: lease_to_creator
+-- A run just created in this transaction, leased to its creator, who executes it (a
+-- what-if): as claim_run leaves a run, so that the creator's claim_run takes it again.
+UPDATE durably_runs SET lease_owner = %(owner)s,
+    lease_until = extract(epoch FROM now()) + %(ttl)s, lease_epoch = lease_epoch + 1,
+    state_version = state_version + 1, status = 'running',
+    available_at = extract(epoch FROM now()) + %(ttl)s, updated_at = extract(epoch FROM now())
+WHERE run_id = %(run_id)s
+RETURNING *;
+
 -- name: claim_run
 -- Lease this run if due and not held by another; the row with its lease as it was before.
 -- A run its claimer holds already is due whatever its available_at (see claim_batch).

@@ -70,6 +70,15 @@ UPDATE durably_runs SET lease_owner = :owner, lease_until = :now + :ttl,
 WHERE run_id = :run_id
 RETURNING *;
 
+-- name: lease_to_creator
+-- A run just created in this transaction, leased to its creator, who executes it (a
+-- what-if): as take_lease leaves a run, so that the creator's claim_run takes it again.
+UPDATE durably_runs SET lease_owner = :owner, lease_until = :now + :ttl,
+    lease_epoch = lease_epoch + 1, state_version = state_version + 1, status = 'running',
+    available_at = :now + :ttl, updated_at = :now
+WHERE run_id = :run_id
+RETURNING *;
+
 -- name: next_sequence
 -- Make room for one event (a recovery's) after a claim.
 UPDATE durably_runs SET last_sequence = last_sequence + 1 WHERE run_id = :run_id;
