@@ -5,6 +5,7 @@ ledger against the journal (docs/architecture.md#checkpoints).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from durably.checkpoint import JournalState, SettledResult, verify_journal
@@ -26,7 +27,10 @@ def journal_state(
     state = JournalState(run_id=run_id, key=key)
     for result in sorted(settled, key=lambda r: r.settled_sequence):
         state.settle(result.step_id, result.output_hash)
-    for op in sorted(ops, key=lambda o: o.created_at):
+    # In the order they were confirmed, as the execution counted them: the sequence that
+    # settled each call (intents of one commit, a fork's copies, share a created_at).
+    confirmed = {r.step_id: r.settled_sequence for r in settled}
+    for op in sorted(ops, key=lambda o: (confirmed.get(o.step_id, math.inf), o.created_at)):
         if op.status is OperationStatus.SUCCEEDED and op.result_json is not None:
             state.effect_completed(op.idempotency_key)
     return state

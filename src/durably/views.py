@@ -56,6 +56,9 @@ def describe(journal: Journal) -> dict[str, Any]:
     """Everything about a run as plain JSON: the document behind ``runs show --json``."""
     run = Run.from_record(journal.run)
     ops = {o.step_id: o for o in journal.operations}
+    # Intents of one commit (a fork's copies, parallel branches) share a created_at.
+    positions = {s.step_id: s.position for s in journal.steps}
+    made = sorted(ops.values(), key=lambda o: (o.created_at, positions.get(o.step_id, -1)))
     calls = model_calls(journal)
     # The model call whose answer asked for the tool call that an effect's step id names.
     asked_by = {i: c["model_call_id"] for c in calls for i in c["tool_call_ids"]}
@@ -100,7 +103,7 @@ def describe(journal: Journal) -> dict[str, Any]:
                 "error": o.error,
                 "model_call_id": asked_by.get(o.step_id),
             }
-            for o in sorted(ops.values(), key=lambda o: o.created_at)
+            for o in made
         ],
         "model_calls": calls,
         "approvals": [

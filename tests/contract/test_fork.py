@@ -185,3 +185,34 @@ def test_a_worker_racing_the_fork_sees_it_only_with_its_whole_history(
     assert done.result == source.result
     assert ran == Counter(range(40)), "every step ran once, in the source"
     assert len(app.describe(forked.run_id)["steps"]) == 40
+
+
+
+def test_a_forks_copied_effects_keep_the_order_they_were_made_in(make_app: MakeApp) -> None:
+    """The copies are one transaction, so one created_at: the order of the source's calls
+    stands (describe, and the latest effects a checkpoint lists)."""
+    app = make_app()
+
+    @app.tool(idempotent=True)
+    def book(k: int) -> int:
+        return k
+
+    @app.workflow()
+    async def trip(n: int) -> Any:
+        for k in range(n):
+            await book(k)
+        return await durably.wait_for_event("go")
+
+    source = app.run("trip", 12)
+    made = [f"book#{k}" for k in range(1, 13)]
+    forked = app.fork(source.run_id, replay=ReplayMode.LIVE_WITH_NEW_APPROVAL)
+
+    def effects(run_id: str) -> list[str]:
+        return [e["step_id"] for e in app.describe(run_id)["effects"]]
+
+    assert effects(source.run_id) == effects(forked.run_id) == made
+    app.worker().run(until_idle=True)
+    assert app.get_run(forked.run_id).status is RunStatus.WAITING_EXTERNAL
+    keys = {e["idempotency_key"]: e["step_id"] for e in app.describe(forked.run_id)["effects"]}
+    latest = app.checkpoints(forked.run_id)[0]["completed_effects"]["keys"]
+    assert [keys[k] for k in latest] == made[-4:]
