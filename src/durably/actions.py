@@ -419,11 +419,13 @@ async def cancel(engine: Engine, run_id: str, *, compensate: bool = False) -> No
     leased = record.lease_owner is not None and (record.lease_until or 0) > time.time()
     # A cancel asked with compensations (a run paused for an effect it would undo) is not
     # withdrawn by a later plain one: the compensations still run. Unless the run's code
-    # diverged from its history: it makes no call, compensations included, before the code
-    # it ran with is deployed again, and a plain cancel is the way to end it without that.
+    # diverged from its history, or it is a fork whose replay mode blocked an undo: it
+    # makes no such call (before the code it ran with is deployed again, or ever), and a
+    # plain cancel is the way to end it without them.
     diverged = record.status_reason in (
         PauseReason.NON_DETERMINISM,
         PauseReason.IDEMPOTENCY_CONFLICT,
+        PauseReason.REPLAY_BLOCKED,
     )
     compensate = compensate or (record.cancel_requested == 2 and not diverged)
     if not leased and not compensate:

@@ -422,6 +422,14 @@ async def _cancel(ctx: RunContext) -> None:
             # Every effect the run made, also those a branch of this replay had not reached
             # again when another one stopped at the cancel.
             compensated = await compensate(ctx, (), every_effect=True)
+        except Suspend:
+            await ctx.quiesce()
+            if ctx.poisoned is None or ctx.stopped:
+                return
+            # An undo the run may not make (a fork's replay mode blocks it): nothing was
+            # sent, and the run pauses for it rather than stay leased with nothing said.
+            await _finish(ctx, RunStatus.PAUSED, _PAUSE_REASONS[type(ctx.poisoned)], ctx.poisoned)
+            return
         except Exception as exc:
             if ctx.stopped:
                 return

@@ -187,6 +187,40 @@ def test_a_worker_racing_the_fork_sees_it_only_with_its_whole_history(
     assert len(app.describe(forked.run_id)["steps"]) == 40
 
 
+@pytest.mark.parametrize("replay", [ReplayMode.DISABLED, ReplayMode.RECORDED])
+def test_a_fork_whose_replay_mode_blocks_its_undos_pauses_then_cancels_plainly(
+    make_app: MakeApp, replay: ReplayMode
+) -> None:
+    """Cancelling a fork with compensations would undo, for real, what the source booked:
+    its replay mode blocks that like any new call, so the fork pauses ``replay_blocked``
+    (recorded, never left running and leased), and a plain cancel then ends it."""
+    app = make_app()
+    booked: Counter[str] = Counter()
+
+    def release(op: durably.Operation) -> None:
+        booked[f"release {op.step_id}"] += 1
+
+    @app.tool(idempotent=True, compensate=release)
+    def book(k: int) -> int:
+        booked[f"book {k}"] += 1
+        return k
+
+    @app.workflow()
+    async def trip(n: int) -> Any:
+        for k in range(n):
+            await book(k)
+        return await durably.wait_for_event("go")
+
+    source = app.run("trip", 3)
+    assert source.status is RunStatus.WAITING_EXTERNAL
+    forked = app.fork(source.run_id, replay=replay)
+    paused = app.cancel(forked.run_id, compensate=True)
+    assert paused.status is RunStatus.PAUSED, (paused.status, paused.error)
+    assert paused.status_reason == "replay_blocked"
+    assert app.cancel(forked.run_id).status is RunStatus.CANCELLED
+    assert booked == Counter({"book 0": 1, "book 1": 1, "book 2": 1}), "nothing undone"
+    assert app.get_run(source.run_id).status is RunStatus.WAITING_EXTERNAL
+
 
 def test_a_forks_copied_effects_keep_the_order_they_were_made_in(make_app: MakeApp) -> None:
     """The copies are one transaction, so one created_at: the order of the source's calls
