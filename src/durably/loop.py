@@ -11,6 +11,9 @@ from durably.errors import DurablyError
 
 R = TypeVar("R")
 
+CLOSE_WAIT_S = 5.0
+"""How long closing the loop waits for the tasks left on it to end once cancelled."""
+
 
 class LoopThread:
     """One event loop on a daemon thread, where an App's blocking methods run.
@@ -54,6 +57,21 @@ class LoopThread:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
         if loop is not None and thread is not None:
+            # What is left on the loop (another App's pool used from code running here, a
+            # caller's own task) is cancelled and let finish, as asyncio.run does: a loop
+            # closed under pending tasks has them destroyed mid-await when collected.
+            asyncio.run_coroutine_threadsafe(_cancel_the_rest(), loop).result()
             loop.call_soon_threadsafe(loop.stop)
             thread.join()
             loop.close()
+
+
+async def _cancel_the_rest() -> None:
+    this = asyncio.current_task()
+    rest = [task for task in asyncio.all_tasks() if task is not this]
+    for task in rest:
+        task.cancel()
+    if rest:
+        # Bounded: a task that will not end when cancelled must not hang the App's close.
+        await asyncio.wait(rest, timeout=CLOSE_WAIT_S)
+    await asyncio.get_running_loop().shutdown_asyncgens()

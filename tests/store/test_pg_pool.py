@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
 import uuid
 
 import psycopg
+import pytest
 
 import durably
 from durably.store.pg_pool import Pool
@@ -80,3 +82,23 @@ def test_the_connections_of_loops_that_ended_are_closed_with_the_app(postgres_sc
     assert settle_at(1) == 1  # each loop's new pool closed the ended loops' pools
     app.close()
     assert settle_at(0) == 0
+
+
+def test_an_apps_loop_closed_under_another_apps_pool_ends_that_pools_tasks(
+    postgres_schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A workflow awaits another App's async method: that App opens a pool on this App's
+    loop. Closing this App ends the loop; the pool's tasks end with it (cancelled, as
+    ``asyncio.run`` does), not destroyed pending once collected."""
+    url = postgres_schema_url(postgres_schema)
+    app, other = durably.App(url), durably.App(url)
+
+    @app.workflow()
+    async def wf() -> str:
+        return (await other.get_run_async(durably.current_run().run_id)).status.value
+
+    assert app.run(wf).result == "running"
+    app.close()
+    other.close()
+    gc.collect()
+    assert "Task was destroyed but it is pending" not in caplog.text
