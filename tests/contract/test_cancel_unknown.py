@@ -344,6 +344,76 @@ def test_a_call_known_not_to_have_acted_is_not_sent_again_after_a_cancel(
     assert sent == ["refused"]
 
 
+@pytest.mark.parametrize("idempotent", [False, True])
+def test_a_cancel_during_a_retrys_backoff_stops_the_retry(
+    make_app: MakeApp, idempotent: bool
+) -> None:
+    """The cancel lands while the retry waits out its backoff, after the last check the
+    call made: the claim that ends the wait is where it is seen, and nothing is sent."""
+    app = make_app()
+    operator = make_app()
+    sent: list[str] = []
+
+    @app.tool(
+        idempotent=idempotent,
+        retry=durably.RetryPolicy(max_attempts=3, initial_interval=timedelta(seconds=1)),
+    )
+    def charge() -> str:
+        if not sent:
+            sent.append("refused")
+            raise ConnectionRefusedError("the gateway is restarting")
+        sent.append("charged")
+        return "charged"
+
+    @app.workflow()
+    async def pay() -> str:
+        return await charge()
+
+    run_id = app.start(pay)
+    worker = threading.Thread(target=lambda: app.worker().run(until_idle=True))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while "effect_failed" not in [e.type for e in operator.events(run_id)]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    operator.cancel(run_id)
+    worker.join(20)
+    assert operator.get_run(run_id).status is RunStatus.CANCELLED
+    assert sent == ["refused"]
+    effects = operator.describe(run_id)["effects"]
+    assert [e["status"] for e in effects] == ["intent_recorded"]
+
+
+def test_a_cancel_just_before_a_new_calls_first_commit_stops_it(make_app: MakeApp) -> None:
+    """An idempotent tool records its intent and claim in one commit: a cancel that lands
+    after the run's last commit and before that one is seen there, and nothing is sent."""
+    app = make_app()
+    operator = make_app()
+    sent: list[str] = []
+
+    @app.step()
+    def plan() -> str:
+        return "plan"
+
+    @app.tool(idempotent=True)
+    def book() -> str:
+        sent.append("book")
+        return "booked"
+
+    @app.workflow()
+    async def trip() -> str:
+        await plan()
+        await operator.cancel_async(durably.current_run().run_id)  # after plan's commit
+        return await book()
+
+    run_id = app.start(trip)
+    app.worker().run(until_idle=True)
+    assert app.get_run(run_id).status is RunStatus.CANCELLED
+    assert sent == []
+    effects = app.describe(run_id)["effects"]
+    assert [e["status"] for e in effects] == ["intent_recorded"]
+
+
 def test_a_failure_after_sending_that_a_plain_cancel_stopped_at_stays_settleable(
     make_app: MakeApp,
 ) -> None:

@@ -332,7 +332,12 @@ class EffectCore:
     # -- implemented by the phase mixins; declared here so that each phase can use the others
 
     async def _claim(
-        self, event: str, *, use_approval: ApprovalUse | None = None, **payload: Any
+        self,
+        event: str,
+        *,
+        use_approval: ApprovalUse | None = None,
+        resend: bool = False,
+        **payload: Any,
     ) -> None:
         raise NotImplementedError
 

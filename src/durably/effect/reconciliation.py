@@ -45,7 +45,7 @@ class Reconciling(EffectCore):
             # Idempotent tool: the service deduplicates by our key, so re-sending is safe.
             if op.attempt < self.tool.retry.max_attempts:
                 await asyncio.sleep(self.tool.retry.delay_s(op.attempt))
-                await self._claim("effect_resent")
+                await self._claim("effect_resent", resend=True)
             else:
                 await self._pause()
             return

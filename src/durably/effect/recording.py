@@ -76,10 +76,20 @@ class Recording(EffectCore):
             use_approval=use if together else None,
         )
         faults.crash_point("effect.after_intent")
+        if together:
+            await self._unless_cancelled()
 
     async def _claim(
-        self, event: str, *, use_approval: ApprovalUse | None = None, **payload: Any
+        self,
+        event: str,
+        *,
+        use_approval: ApprovalUse | None = None,
+        resend: bool = False,
+        **payload: Any,
     ) -> None:
+        """Claim the call for an attempt. ``resend``: an attempt of unknown outcome is
+        under way already (sent again under its key to settle it), which a cancel does not
+        stop."""
         assert self.op is not None
         attempt = self.op.attempt + 1
         await self._apply(
@@ -90,6 +100,23 @@ class Recording(EffectCore):
             checkpoint=False,
             use_approval=use_approval,
         )
+        if not resend:
+            await self._unless_cancelled()
+
+    async def _unless_cancelled(self) -> None:
+        """Just claimed, with nothing under way (a new call, a retry of an attempt known
+        not to have acted): a cancel the claim's commit saw (landed during a retry's
+        backoff, or after the run's last commit) stops the call before it is sent, recorded
+        back to ``intent_recorded`` so that nobody reconciles or sends what never left."""
+        if not self._cancel_pending:
+            return
+        await self._apply(
+            self._write(OperationStatus.INTENT_RECORDED, failure_category=None),
+            self._step(StepStatus.INTENT_RECORDED),
+            [self._event("effect_not_sent", reason="the run was cancelled")],
+            run=self._back_to_running(),
+        )
+        self.ctx.stop_for_cancel()
 
     async def _record_success(
         self,
