@@ -94,6 +94,10 @@ class JoinsApprovals:
                     ),
                     release=True,
                     request_approvals=tuple(a.request for a in awaited if a.request),
+                    # Read when the run was claimed: a decision since is not seen there.
+                    wake_on_approvals=tuple(
+                        a.waiting["approval_id"] for a in awaited if a.request is None
+                    ),
                 )
             )
             # The requests and the suspension are one transaction: this is the same moment.

@@ -342,6 +342,39 @@ def test_parallel_calls_request_their_approvals_together(refunds: Any) -> None:
     assert used == {"a": "rejected", "b": "consumed", "c": "consumed"}
 
 
+def test_an_approval_decided_while_its_run_executes_is_acted_on(make_app: MakeApp) -> None:
+    """The run executes the call approved first; the other one is approved meanwhile. The
+    execution read the approvals when it took the run up, so it waits again for the second:
+    that decision, made while the run was not waiting, must make it due all the same, not
+    leave it waiting until the approval expires."""
+    app = make_app()
+    operator = make_app()
+    sent = Counter[str]()
+    second: dict[str, str] = {}
+
+    @app.tool(idempotent=True, requires_approval=True, approval_ttl=timedelta(hours=1))
+    def transfer(n: int) -> str:
+        if n == 1:
+            operator.approve(second["run_id"], second["approval_id"], by="bo")
+        sent[f"transfer {n}"] += 1
+        return f"sent {n}"
+
+    @app.workflow()
+    async def payout() -> list[str]:
+        return await durably.gather(transfer(1), transfer(2))
+
+    run = app.run(payout)
+    assert run.status is RunStatus.WAITING_APPROVAL
+    pending = {a["step_id"]: a["approval_id"] for a in approvals(app, run.run_id)}
+    second.update(run_id=run.run_id, approval_id=pending["transfer#2"])
+    operator.approve(run.run_id, pending["transfer#1"], by="ana")
+    app.worker().run(until_idle=True)
+    done = app.get_run(run.run_id)
+    assert done.status is RunStatus.COMPLETED, (done.status, done.waiting_for)
+    assert done.result == ["sent 1", "sent 2"]
+    assert sent == Counter({"transfer 1": 1, "transfer 2": 1})
+
+
 def test_an_expired_one_of_parallel_approvals_is_asked_again(
     refunds: Any, database_url: str
 ) -> None:

@@ -293,6 +293,9 @@ class Transition:
     """(event_id, step_id): the wait at step_id settles with this signal; exactly once."""
     wake_on_signal: str | None = None
     """The run starts waiting for events of this name: if one arrived meanwhile, it is due now."""
+    wake_on_approvals: tuple[str, ...] = ()
+    """Approvals requested earlier that the run starts waiting for: if one was decided
+    meanwhile, it is due now."""
     plan_version: int | None = None
     """The run's new plan version (``durably.replan()``)."""
     request_approvals: tuple[ApprovalRequest, ...] = ()

@@ -173,6 +173,7 @@ def _fence_and_rows_only(t: Transition) -> bool:
         and not t.more_steps
         and t.plan_version is None
         and t.wake_on_signal is None
+        and not t.wake_on_approvals
     )
 
 
@@ -406,6 +407,9 @@ def _following(
         # The run is about to wait for this event name: one that arrived meanwhile makes it
         # due at once (delivery and this commit serialise on the run's row).
         rest.append(("wake_on_signal", {"run_id": run_id, "name": t.wake_on_signal}))
+    for approval_id in t.wake_on_approvals:
+        # Decided while this execution ran: the decision could not make the run due then.
+        rest.append(("wake_on_approval", {"run_id": run_id, "approval_id": approval_id}))
     for r in t.request_approvals:
         if r.replaces is not None:
             rest.append(("supersede_approval", {"approval_id": r.replaces}))

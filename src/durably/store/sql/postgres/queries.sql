@@ -255,6 +255,13 @@ UPDATE durably_runs SET status = 'queued', available_at = extract(epoch FROM now
 WHERE run_id = %(run_id)s AND EXISTS (SELECT 1 FROM durably_signals
     WHERE run_id = %(run_id)s AND name = %(name)s AND consumed_by IS NULL);
 
+-- name: wake_on_approval
+-- A run about to wait for an approval requested earlier is due now if it was decided
+-- meanwhile (its decision found the run still executing, so it could not make it due).
+UPDATE durably_runs SET status = 'queued', available_at = extract(epoch FROM now())
+WHERE run_id = %(run_id)s AND status = 'waiting_approval' AND EXISTS (SELECT 1
+    FROM durably_approvals WHERE approval_id = %(approval_id)s AND status <> 'requested');
+
 -- name: supersede_approval
 -- An earlier request of the same call is void: expired if it ran out, else superseded.
 UPDATE durably_approvals SET status = CASE WHEN expires_at <= extract(epoch FROM now())
