@@ -15,6 +15,7 @@ from typing import Any
 
 from durably.actions import new_run_id, receipt
 from durably.checkpoint import JournalState
+from durably.effect.compensation import UNDO_PREFIX
 from durably.engine import Engine
 from durably.errors import InvalidInput, RunNotFound
 from durably.keys import KEY_SCHEME, canonical_json, idempotency_key, plain_json, sha256_hex
@@ -90,14 +91,10 @@ async def fork(
         write = None
         key = None
         if step.kind == "tool" and op is not None:
-            tool = engine.registry.tool_def(op.tool)
-            key = idempotency_key(
-                new.tenant,
-                new.run_id,
-                op.plan_version,
-                step.step_id,
-                tool.operation_group or tool.name,
-            )
+            # A tool this code no longer has: its name was its operation group.
+            tool = engine.registry.tool_def(op.tool, missing_ok=True)
+            group = op.tool if tool is None else tool.operation_group or tool.name
+            key = idempotency_key(new.tenant, new.run_id, op.plan_version, step.step_id, group)
             state.effect_completed(key)
             write = OperationWrite(
                 tenant=new.tenant,
@@ -109,7 +106,13 @@ async def fork(
                 tool_version=op.tool_version,
                 input_hash=op.input_hash,
                 arguments_json=plain_json(op.arguments),
-                status=OperationStatus.SUCCEEDED,
+                # Undone by the source since (after the fork point, too): the fork's copy
+                # says so, or the fork would undo the one real effect a second time.
+                status=(
+                    OperationStatus.COMPENSATED
+                    if op.status is OperationStatus.COMPENSATED
+                    else OperationStatus.SUCCEEDED
+                ),
                 result_json=output_json,
                 external_operation_id=op.external_operation_id,
                 attempt=op.attempt,
@@ -162,7 +165,7 @@ async def _kept_steps(engine: Engine, journal: Journal, at: str | None) -> list[
         key=lambda s: s.settled_sequence or 0,
     )
     if at is None:
-        return settled
+        return _without_undos(settled)
     last: int | None = next((s.settled_sequence for s in settled if s.step_id == at), None)
     if last is None:
         checkpoints = await engine.store.checkpoints(journal.run.run_id)
@@ -180,4 +183,11 @@ async def _kept_steps(engine: Engine, journal: Journal, at: str | None) -> list[
             f"run {journal.run.run_id} has no settled step or checkpoint {at!r} to fork at; "
             f"its latest settled steps: {known}"
         )
-    return [s for s in settled if (s.settled_sequence or 0) <= last]
+    return _without_undos([s for s in settled if (s.settled_sequence or 0) <= last])
+
+
+def _without_undos(steps: list[StepRecord]) -> list[StepRecord]:
+    """``steps`` but the undos of effects. An undo's input names the run and the key of
+    the effect it undoes, so the fork's own undo could never replay it; instead the copy of
+    an effect the source undid is ``compensated``, which the fork's compensations skip."""
+    return [s for s in steps if not s.step_id.startswith(UNDO_PREFIX)]

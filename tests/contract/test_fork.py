@@ -250,3 +250,64 @@ def test_a_forks_copied_effects_keep_the_order_they_were_made_in(make_app: MakeA
     keys = {e["idempotency_key"]: e["step_id"] for e in app.describe(forked.run_id)["effects"]}
     latest = app.checkpoints(forked.run_id)[0]["completed_effects"]["keys"]
     assert [keys[k] for k in latest] == made[-4:]
+
+
+class Trip:
+    """A booking, undone by the workflow itself (``undo_it``) or by a compensating cancel;
+    counts what really happened."""
+
+    def __init__(self, app: durably.App) -> None:
+        self.app = app
+        self.sent: Counter[str] = Counter()
+
+        def release(op: durably.Operation) -> str:
+            self.sent[f"release {op.run_id}"] += 1
+            return "released"
+
+        @app.tool(idempotent=True, compensate=release)
+        def book(n: int) -> str:
+            self.sent["book"] += 1
+            return f"booked {n}"
+
+        @app.workflow()
+        async def trip(undo_it: bool) -> Any:
+            booked = await book(1)
+            if undo_it:
+                return [booked, await durably.compensate()]
+            return await durably.wait_for_event("go")
+
+
+def test_a_run_that_compensated_itself_can_be_forked_and_replayed(make_app: MakeApp) -> None:
+    app = make_app()
+    trip = Trip(app)
+    source = app.run("trip", True)
+    assert source.status is RunStatus.COMPLETED, source.error
+    assert source.result == ["booked 1", ["book#1"]]
+    forked = app.fork(source.run_id)
+    app.worker().run(until_idle=True)
+    done = app.get_run(forked.run_id)
+    assert (done.status, done.result) == (RunStatus.COMPLETED, source.result)
+    assert app.replay(source.run_id).reproduced
+    assert trip.sent == Counter({"book": 1, f"release {source.run_id}": 1}), "nothing again"
+
+
+def test_a_fork_from_before_an_undo_does_not_undo_the_booking_again(make_app: MakeApp) -> None:
+    """The source's cancellation released the booking after the fork point: the fork's copy
+    of it says so, and the fork's own compensating cancel does not release it again."""
+    app = make_app()
+    trip = Trip(app)
+    source = app.run("trip", False)
+    assert app.cancel(source.run_id, compensate=True).status is RunStatus.CANCELLED
+    forked = app.fork(source.run_id, at="book#1", replay=ReplayMode.LIVE_WITH_NEW_APPROVAL)
+    assert {e["step_id"]: e["status"] for e in app.describe(forked.run_id)["effects"]} == {
+        "book#1": "compensated"
+    }
+    app.worker().run(until_idle=True)
+    assert app.get_run(forked.run_id).status is RunStatus.WAITING_EXTERNAL
+    assert app.cancel(forked.run_id, compensate=True).status is RunStatus.CANCELLED
+    assert approvals_asked(app, forked.run_id) == []
+    assert trip.sent == Counter({"book": 1, f"release {source.run_id}": 1})
+
+
+def approvals_asked(app: durably.App, run_id: str) -> list[str]:
+    return [a["step_id"] for a in app.describe(run_id)["approvals"]]

@@ -21,6 +21,10 @@ from durably.store.base import (
 log = logging.getLogger("durably")
 
 
+UNDO_PREFIX = "compensate:"
+"""The step id of an effect's undo is the effect's, after this."""
+
+
 async def compensate(
     ctx: RunContext, step_ids: tuple[str, ...], *, every_effect: bool = False
 ) -> list[str]:
@@ -46,11 +50,14 @@ async def compensate(
         tool = undoable(ctx, op)
         if tool is None:
             continue
-        undo_id = f"compensate:{op.step_id}"
+        undo_id = f"{UNDO_PREFIX}{op.step_id}"
+        if op.status is OperationStatus.COMPENSATED and (every_effect or undo_id not in ctx.steps):
+            # Undone already: by the workflow, before a crash, or (a fork's copy) by the
+            # source after the fork point. The workflow's own undo recorded in this run is
+            # replayed instead (its call is part of the run's history).
+            done.append(op.step_id)
+            continue
         if every_effect:
-            if op.status is OperationStatus.COMPENSATED:
-                done.append(op.step_id)  # undone already: by the workflow, or before a crash
-                continue
             # The workflow's own undo of it, cut short by the cancel or failed: the
             # cancellation takes it up (and meets its failure again, if it failed).
             ctx.reached.pop(undo_id, None)
