@@ -422,12 +422,12 @@ async def cancel(engine: Engine, run_id: str, *, compensate: bool = False) -> No
     # diverged from its history, or it is a fork whose replay mode blocked an undo: it
     # makes no such call (before the code it ran with is deployed again, or ever), and a
     # plain cancel is the way to end it without them.
-    diverged = record.status_reason in (
+    makes_no_undo = record.status_reason in (
         PauseReason.NON_DETERMINISM,
         PauseReason.IDEMPOTENCY_CONFLICT,
         PauseReason.REPLAY_BLOCKED,
     )
-    compensate = compensate or (record.cancel_requested == 2 and not diverged)
+    compensate = compensate or (record.cancel_requested == 2 and not makes_no_undo)
     if not leased and not compensate:
         try:
             await store.commit(

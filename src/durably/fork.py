@@ -42,7 +42,7 @@ async def fork(
     what_if: bool = False,
     owner: str | None = None,
 ) -> str:
-    """Create the fork of ``source_id`` (queued) and return its run id.
+    """Create the fork of ``source_id`` (queued, or held for ``owner``) and return its id.
 
     ``at``: the source's step id (or checkpoint id) to fork after; ``None`` keeps every
     call the source settled. ``what_if``: a what-if replay (``whatif.py``), whose every
@@ -82,6 +82,15 @@ async def fork(
         receipt=receipt(engine, run_id),
     )
     ops = {o.step_id: o for o in journal.operations}
+    # Undone by the source since (after the fork point, too; its undo is recorded a commit
+    # before the effect is marked compensated): the fork's copy says so, or the fork would
+    # undo the one real effect a second time.
+    undone = {
+        s.step_id.removeprefix(UNDO_PREFIX)
+        for s in journal.steps
+        if s.step_id.startswith(UNDO_PREFIX) and s.status is StepStatus.SUCCEEDED
+    }
+    undone.update(o.step_id for o in journal.operations if o.status is OperationStatus.COMPENSATED)
     state = JournalState(run_id=new.run_id, key=engine.secret_key)
     copies = []
     for step in kept:
@@ -95,7 +104,9 @@ async def fork(
             tool = engine.registry.tool_def(op.tool, missing_ok=True)
             group = op.tool if tool is None else tool.operation_group or tool.name
             key = idempotency_key(new.tenant, new.run_id, op.plan_version, step.step_id, group)
-            state.effect_completed(key)
+            compensated = step.step_id in undone
+            if not compensated:
+                state.effect_completed(key)
             write = OperationWrite(
                 tenant=new.tenant,
                 idempotency_key=key,
@@ -106,13 +117,7 @@ async def fork(
                 tool_version=op.tool_version,
                 input_hash=op.input_hash,
                 arguments_json=plain_json(op.arguments),
-                # Undone by the source since (after the fork point, too): the fork's copy
-                # says so, or the fork would undo the one real effect a second time.
-                status=(
-                    OperationStatus.COMPENSATED
-                    if op.status is OperationStatus.COMPENSATED
-                    else OperationStatus.SUCCEEDED
-                ),
+                status=OperationStatus.COMPENSATED if compensated else OperationStatus.SUCCEEDED,
                 result_json=output_json,
                 external_operation_id=op.external_operation_id,
                 attempt=op.attempt,

@@ -356,7 +356,8 @@ def test_a_cancel_during_a_retrys_backoff_stops_the_retry(
 
     @app.tool(
         idempotent=idempotent,
-        retry=durably.RetryPolicy(max_attempts=3, initial_interval=timedelta(seconds=1)),
+        # Long enough for the operator to see the failure and cancel on a slow machine.
+        retry=durably.RetryPolicy(max_attempts=3, initial_interval=timedelta(seconds=2)),
     )
     def charge() -> str:
         if not sent:

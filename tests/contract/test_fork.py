@@ -12,6 +12,7 @@ import pytest
 
 import durably
 from durably import ReplayMode, RunStatus
+from tests.conftest import execute_sql
 
 MakeApp = Callable[..., durably.App]
 
@@ -302,6 +303,8 @@ def test_a_fork_from_before_an_undo_does_not_undo_the_booking_again(make_app: Ma
     assert {e["step_id"]: e["status"] for e in app.describe(forked.run_id)["effects"]} == {
         "book#1": "compensated"
     }
+    # Not one of the fork's confirmed effects: the recovery that reads it back agrees.
+    assert app.checkpoints(forked.run_id)[0]["completed_effects"] == {"count": 0, "keys": []}
     app.worker().run(until_idle=True)
     assert app.get_run(forked.run_id).status is RunStatus.WAITING_EXTERNAL
     assert app.cancel(forked.run_id, compensate=True).status is RunStatus.CANCELLED
@@ -311,3 +314,26 @@ def test_a_fork_from_before_an_undo_does_not_undo_the_booking_again(make_app: Ma
 
 def approvals_asked(app: durably.App, run_id: str) -> list[str]:
     return [a["step_id"] for a in app.describe(run_id)["approvals"]]
+
+
+def test_a_fork_taken_between_an_undo_and_its_mark_does_not_undo_again(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """The undo is recorded a commit before the effect is marked compensated: a fork taken
+    between the two (here: the mark taken back behind durably's back) still copies the
+    effect as undone."""
+    app = make_app()
+    trip = Trip(app)
+    source = app.run("trip", False)
+    app.cancel(source.run_id, compensate=True)
+    execute_sql(
+        database_url,
+        "UPDATE durably_tool_operations SET status = 'succeeded' WHERE run_id = ?",
+        (source.run_id,),
+    )
+    forked = app.fork(source.run_id, at="book#1", replay=ReplayMode.LIVE_WITH_NEW_APPROVAL)
+    effects = {e["step_id"]: e["status"] for e in app.describe(forked.run_id)["effects"]}
+    assert effects == {"book#1": "compensated"}
+    app.worker().run(until_idle=True)
+    assert app.cancel(forked.run_id, compensate=True).status is RunStatus.CANCELLED
+    assert trip.sent == Counter({"book": 1, f"release {source.run_id}": 1})

@@ -130,6 +130,39 @@ def test_start_run_creates_and_leases_the_run_in_one_transaction(store: Store) -
     run(store.commit(claim.lease, Transition(events=[EventWrite("mine")])))
 
 
+@pytest.mark.parametrize("owner", [None, "me"])
+def test_a_fork_is_created_whole_and_held_for_its_creator_if_named(
+    store: Store, owner: str | None
+) -> None:
+    """``create_fork``: the run and its copied history in one transaction. Held for
+    ``owner``, no worker claims it, and the owner's claim takes it as the queued run it
+    is, not as one recovered from a dead holder; unheld, any worker claims it."""
+    copies = [
+        Transition(
+            events=[EventWrite("step_forked", f"s#{n}", {"output_hash": "h"})],
+            step=StepWrite(f"s#{n}", n, "step", "s", StepStatus.SUCCEEDED, "ih", "1", settle=True),
+        )
+        for n in (1, 2)
+    ]
+    created = run(store.create_fork(new_run(), copies, owner=owner, ttl_s=30))
+    assert created is not None
+    assert created.status is RunStatus.QUEUED
+    assert created.lease_owner == owner
+    events = [(e.type, e.step_id) for e in run(store.events("r1"))]
+    assert events == [("run_started", None), ("step_forked", "s#1"), ("step_forked", "s#2")]
+    assert run(store.create_fork(new_run(), [], owner=owner, ttl_s=30)) is None
+    taken = run(store.claim_next("w2", 30, ["wf|1"]))
+    if owner is None:
+        assert taken is not None
+        return
+    assert taken is None
+    claim = run(store.claim_run("r1", owner, 30))
+    assert claim is not None
+    assert not claim.recovered
+    assert claim.journal is not None
+    assert [s.step_id for s in claim.journal.steps] == ["s#1", "s#2"]
+
+
 def test_only_one_owner_claims_a_run(store: Store) -> None:
     """A live lease excludes every other claimer; the epoch grows on each claim."""
     run(store.create_run(new_run()))

@@ -81,6 +81,9 @@ def test_unchanged_code_reproduces_the_run_and_runs_nothing(make_app: MakeApp) -
     events = shop.app.events(report.what_if_run_id)
     forked = [e.payload["from"] for e in events if e.type == "step_forked"]
     assert forked == [source.run_id] * 3
+    # Held for this process from its creation, then taken up by it: no recovery of a run
+    # nobody else ever held.
+    assert "run_recovered" not in [e.type for e in events]
     assert shop.app.get_run(source.run_id).status is RunStatus.COMPLETED
 
 

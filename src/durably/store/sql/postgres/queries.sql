@@ -59,11 +59,12 @@ WHERE (%(status)s::text IS NULL OR status = %(status)s)
 ORDER BY created_at DESC, run_id LIMIT %(limit)s;
 
 -- name: lease_to_creator
--- A run just created in this transaction, leased to its creator, who executes it (a
--- what-if): as claim_run leaves a run, so that the creator's claim_run takes it again.
+-- A run just created in this transaction, held for its creator, who executes it (a
+-- what-if): no worker claims it while the lease lasts, and the creator's claim_run takes it
+-- as the queued run it still is, not as one recovered from a dead holder.
 UPDATE durably_runs SET lease_owner = %(owner)s,
     lease_until = extract(epoch FROM now()) + %(ttl)s, lease_epoch = lease_epoch + 1,
-    state_version = state_version + 1, status = 'running',
+    state_version = state_version + 1,
     available_at = extract(epoch FROM now()) + %(ttl)s, updated_at = extract(epoch FROM now())
 WHERE run_id = %(run_id)s
 RETURNING *;

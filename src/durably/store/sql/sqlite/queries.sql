@@ -71,10 +71,11 @@ WHERE run_id = :run_id
 RETURNING *;
 
 -- name: lease_to_creator
--- A run just created in this transaction, leased to its creator, who executes it (a
--- what-if): as take_lease leaves a run, so that the creator's claim_run takes it again.
+-- A run just created in this transaction, held for its creator, who executes it (a
+-- what-if): no worker claims it while the lease lasts, and the creator's claim_run takes it
+-- as the queued run it still is, not as one recovered from a dead holder.
 UPDATE durably_runs SET lease_owner = :owner, lease_until = :now + :ttl,
-    lease_epoch = lease_epoch + 1, state_version = state_version + 1, status = 'running',
+    lease_epoch = lease_epoch + 1, state_version = state_version + 1,
     available_at = :now + :ttl, updated_at = :now
 WHERE run_id = :run_id
 RETURNING *;
