@@ -46,8 +46,9 @@ async def fork(
 
     ``at``: the source's step id (or checkpoint id) to fork after; ``None`` keeps every
     call the source settled. ``what_if``: a what-if replay (``whatif.py``), whose every
-    call must be one the source recorded. ``owner``: the fork is leased to it, who
-    executes it at once (``actions.execute(..., owner=owner)``), not queued for a worker.
+    call must be one the source recorded. ``owner``: the fork is held for it (still queued,
+    leased), who executes it at once (``actions.execute(..., owner=owner)``); no worker
+    takes it while the lease lasts.
     """
     check_ref(source_id, "run id")
     if at is not None:

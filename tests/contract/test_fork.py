@@ -188,6 +188,28 @@ def test_a_worker_racing_the_fork_sees_it_only_with_its_whole_history(
     assert len(app.describe(forked.run_id)["steps"]) == 40
 
 
+class Bookings:
+    """``trip(n)`` books ``n`` times, each undoable, then waits for ``go``; counts what
+    really happened."""
+
+    def __init__(self, app: durably.App) -> None:
+        self.sent: Counter[str] = Counter()
+
+        def release(op: durably.Operation) -> None:
+            self.sent[f"release {op.step_id}"] += 1
+
+        @app.tool(idempotent=True, compensate=release)
+        def book(k: int) -> int:
+            self.sent[f"book {k}"] += 1
+            return k
+
+        @app.workflow()
+        async def trip(n: int) -> Any:
+            for k in range(n):
+                await book(k)
+            return await durably.wait_for_event("go")
+
+
 @pytest.mark.parametrize("replay", [ReplayMode.DISABLED, ReplayMode.RECORDED])
 def test_a_fork_whose_replay_mode_blocks_its_undos_pauses_then_cancels_plainly(
     make_app: MakeApp, replay: ReplayMode
@@ -196,22 +218,7 @@ def test_a_fork_whose_replay_mode_blocks_its_undos_pauses_then_cancels_plainly(
     its replay mode blocks that like any new call, so the fork pauses ``replay_blocked``
     (recorded, never left running and leased), and a plain cancel then ends it."""
     app = make_app()
-    booked: Counter[str] = Counter()
-
-    def release(op: durably.Operation) -> None:
-        booked[f"release {op.step_id}"] += 1
-
-    @app.tool(idempotent=True, compensate=release)
-    def book(k: int) -> int:
-        booked[f"book {k}"] += 1
-        return k
-
-    @app.workflow()
-    async def trip(n: int) -> Any:
-        for k in range(n):
-            await book(k)
-        return await durably.wait_for_event("go")
-
+    booked = Bookings(app).sent
     source = app.run("trip", 3)
     assert source.status is RunStatus.WAITING_EXTERNAL
     forked = app.fork(source.run_id, replay=replay)
@@ -227,17 +234,7 @@ def test_a_forks_copied_effects_keep_the_order_they_were_made_in(make_app: MakeA
     """The copies are one transaction, so one created_at: the order of the source's calls
     stands (describe, and the latest effects a checkpoint lists)."""
     app = make_app()
-
-    @app.tool(idempotent=True)
-    def book(k: int) -> int:
-        return k
-
-    @app.workflow()
-    async def trip(n: int) -> Any:
-        for k in range(n):
-            await book(k)
-        return await durably.wait_for_event("go")
-
+    Bookings(app)
     source = app.run("trip", 12)
     made = [f"book#{k}" for k in range(1, 13)]
     forked = app.fork(source.run_id, replay=ReplayMode.LIVE_WITH_NEW_APPROVAL)
