@@ -395,6 +395,8 @@ class RunContext(CallIdentity, JoinsApprovals):
                 t = replace(t, at=self.at)  # see Transition.at
             if t.release and self.reports_run:
                 t = replace(t, read_back=True)
+            if self.cancelling:
+                t = replace(t, cancelling=True)
             sent_at = time.monotonic()
             try:
                 committed = await (

@@ -334,3 +334,23 @@ def test_a_fork_taken_between_an_undo_and_its_mark_does_not_undo_again(
     app.worker().run(until_idle=True)
     assert app.cancel(forked.run_id, compensate=True).status is RunStatus.CANCELLED
     assert trip.sent == Counter({"book": 1, f"release {source.run_id}": 1})
+
+
+def test_an_undo_awaiting_its_approval_holds_the_cancelled_fork_still(make_app: MakeApp) -> None:
+    """A live fork's undo asks a person first: the cancel it serves must not make the waiting
+    run due again (each execution would ask again, a busy loop), and the approval finishes it."""
+    app = make_app()
+    booked = Bookings(app).sent
+    source = app.run("trip", 1)
+    forked = app.fork(source.run_id, replay=ReplayMode.LIVE_WITH_NEW_APPROVAL)
+    waiting = app.cancel(forked.run_id, compensate=True)
+    assert waiting.status is RunStatus.WAITING_APPROVAL, (waiting.status, waiting.error)
+    assert waiting.waiting_for is not None
+    assert waiting.waiting_for["step_id"] == "compensate:book#1"
+    assert app.worker().run(until_idle=True) == 0, "nothing is due before the decision"
+    assert approvals_asked(app, forked.run_id) == ["compensate:book#1"]
+    app.approve(forked.run_id, by="ana")
+    assert app.worker().run(until_idle=True) == 1
+    assert app.get_run(forked.run_id).status is RunStatus.CANCELLED
+    assert booked == Counter({"book 0": 1, "release book#1": 1})
+

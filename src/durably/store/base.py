@@ -298,6 +298,9 @@ class Transition:
     meanwhile, it is due now."""
     plan_version: int | None = None
     """The run's new plan version (``durably.replan()``)."""
+    cancelling: bool = False
+    """Committed by the run's own cancellation (its compensations): a wait it starts, an undo
+    asking for approval, is not made due again by the cancel it serves."""
     request_approvals: tuple[ApprovalRequest, ...] = ()
     """New approval requests: the calls of the run that wait for a person together."""
     more_steps: tuple[StepWrite, ...] = ()

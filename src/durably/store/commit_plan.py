@@ -400,7 +400,8 @@ def _following(
             # be lost behind a wait: it pauses now, or stays due and its next execution
             # cancels it.
             rest.append(("pause_if_requested", {"run_id": run_id}))
-            rest.append(("requeue_if_cancelled", {"run_id": run_id}))
+            if not t.cancelling:
+                rest.append(("requeue_if_cancelled", {"run_id": run_id}))
     if t.plan_version is not None:
         rest.append(("set_plan_version", {"run_id": run_id, "plan_version": t.plan_version}))
     if t.wake_on_signal is not None:
