@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -354,3 +355,77 @@ def test_an_undo_awaiting_its_approval_holds_the_cancelled_fork_still(make_app: 
     assert app.get_run(forked.run_id).status is RunStatus.CANCELLED
     assert booked == Counter({"book 0": 1, "release book#1": 1})
 
+
+class Travel:
+    """``trip`` plans, then books a hotel and a flight at once; only the hotel has a sandbox.
+    Counts what the real services and the sandbox received."""
+
+    def __init__(self, app: durably.App, *, sandbox_refuses: int = 0) -> None:
+        self.sent: Counter[str] = Counter()
+        refusals = [sandbox_refuses]
+
+        @app.step()
+        def plan(who: str) -> str:
+            return who
+
+        def hotel_sandbox(who: str) -> str:
+            self.sent[f"sandbox hotel {who}"] += 1
+            if refusals[0] > 0:
+                refusals[0] -= 1
+                raise durably.ToolError("not now", category=durably.FailureCategory.PERMISSION)
+            return f"hotel {who} (sandbox)"
+
+        @app.tool(idempotent=True, sandbox=hotel_sandbox)
+        async def hotel(who: str) -> str:
+            self.sent[f"hotel {who}"] += 1
+            return f"hotel {who}"
+
+        @app.tool(idempotent=True)
+        async def flight(who: str) -> str:
+            self.sent[f"flight {who}"] += 1
+            return f"flight {who}"
+
+        @app.workflow()
+        async def trip(who: str, fly: bool) -> list[str]:
+            await plan(who)
+            return list(await asyncio.gather(hotel(who), *([flight(who)] if fly else [])))
+
+
+def effect_statuses(app: durably.App, run_id: str) -> dict[str, str]:
+    return {e["step_id"]: e["status"] for e in app.describe(run_id)["effects"]}
+
+
+def test_a_sandbox_call_stopped_by_a_blocked_parallel_call_is_never_sent_for_real(
+    make_app: MakeApp,
+) -> None:
+    """The hotel's sandbox call is claimed when the flight, which has no sandbox, blocks the
+    fork: the claim is withdrawn before anything is sent, so the cancel that follows has
+    nothing to settle, and the real hotel never hears of the fork."""
+    app = make_app(lease_ttl=timedelta(seconds=1))
+    sent = Travel(app).sent
+    source = app.run("trip", "ann", True)
+    assert source.status is RunStatus.COMPLETED
+    forked = app.fork(source.run_id, at="plan#1", replay=ReplayMode.SANDBOX)
+    paused = app.resume(forked.run_id)
+    assert (paused.status, paused.status_reason) == (RunStatus.PAUSED, "replay_blocked")
+    assert effect_statuses(app, forked.run_id) == {"hotel#1": "intent_recorded"}
+    assert app.cancel(forked.run_id).status is RunStatus.CANCELLED
+    assert sent == Counter({"hotel ann": 1, "flight ann": 1}), "only the source's calls"
+
+
+def test_a_sandbox_call_attempted_again_in_a_later_execution_stays_in_the_sandbox(
+    make_app: MakeApp,
+) -> None:
+    """Refused once by the sandbox, the call is attempted again after ``resume``, by a new
+    execution: the fork's replay mode, not the memory of the first one, sends it to the
+    sandbox."""
+    app = make_app()
+    sent = Travel(app, sandbox_refuses=1).sent
+    source = app.run("trip", "bo", False)
+    forked = app.fork(source.run_id, at="plan#1", replay=ReplayMode.SANDBOX)
+    paused = app.resume(forked.run_id)
+    assert (paused.status, paused.status_reason) == (RunStatus.PAUSED, "permission_denied")
+    done = app.resume(forked.run_id)
+    assert done.status is RunStatus.COMPLETED, done.error
+    assert done.result == ["hotel bo (sandbox)"]
+    assert sent == Counter({"hotel bo": 1, "sandbox hotel bo": 2})

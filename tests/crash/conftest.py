@@ -157,6 +157,16 @@ class Harness:
         """A fresh process cancels the run with compensations (``app.cancel``)."""
         return self._spawn(["cancel", run_id], None)
 
+    def fork(
+        self, run_id: str, source: str, at: str, replay: str, *, crash_at: str | None = None
+    ) -> Proc:
+        """A new process forks ``source`` at ``at`` as ``run_id`` and executes the fork."""
+        return self._spawn(["fork", run_id, source, at, replay], crash_at)
+
+    def again(self, run_id: str) -> Proc:
+        """A fresh process, once the dead one's lease expired, executes the run again."""
+        return self._spawn(["again", run_id], None)
+
     # -- the store, read (and resolved) from the test process -------------------------
 
     @property

@@ -8,6 +8,8 @@ different kind of external service:
 * ``reconciled_tool``: POST /coupons (no deduplication) with ``reconcile=`` asking
   GET /coupons?customer=&campaign= what happened.
 * ``plain_tool``: POST /coupons with neither: an unknown outcome must go to a person.
+* ``idem_tool`` and ``plain_tool`` have a sandbox, ``rehearse``: the shop records an email
+  "sandbox <campaign>" per call in place of the effect.
 * ``classified_tool``: like ``plain_tool`` but classifies the shop's 503 (answered before any
   effect is written) as ``TRANSIENT_BEFORE_SEND``.
 
@@ -92,6 +94,15 @@ def withdraw(op: durably.Operation) -> dict[str, Any]:
     )
 
 
+def rehearse(customer: str, campaign: str) -> dict[str, Any]:
+    """The sandbox of ``idem_tool`` and ``plain_tool`` (a ``SANDBOX`` fork calls it instead):
+    the shop records a notice, one per call, in place of the effect (the tests count them)."""
+    body = {"to": customer, "subject": f"sandbox {campaign}", "body": ""}
+    key = durably.idempotency_key()
+    post_json(f"{_shop()}/emails", body, idempotency_key=key, timeout=_timeout())
+    return {"sandbox": True, "customer": customer, "campaign": campaign}
+
+
 def _place_order(customer: str, campaign: str) -> dict[str, Any]:
     return post_json(
         f"{_shop()}/orders",
@@ -101,7 +112,9 @@ def _place_order(customer: str, campaign: str) -> dict[str, Any]:
     )
 
 
-@app.tool(idempotent=True, external_id=lambda r: r["order_id"], compensate=withdraw)
+@app.tool(
+    idempotent=True, external_id=lambda r: r["order_id"], compensate=withdraw, sandbox=rehearse
+)
 def idem_tool(customer: str, campaign: str) -> dict[str, Any]:
     return _place_order(customer, campaign)
 
@@ -139,7 +152,7 @@ def reconciled_tool(customer: str, campaign: str) -> dict[str, Any]:
     return _issue_coupon(customer, campaign)
 
 
-@app.tool(external_id=lambda r: r["coupon_id"], compensate=withdraw)
+@app.tool(external_id=lambda r: r["coupon_id"], compensate=withdraw, sandbox=rehearse)
 def plain_tool(customer: str, campaign: str) -> dict[str, Any]:
     return _issue_coupon(customer, campaign)
 

@@ -124,6 +124,9 @@ class EffectCore:
         self.reconciling = False
         self.compensating = False
         """A compensation of a cancelled run: it goes on while the run is cancelling."""
+        self.resending = False
+        """The claimed attempt re-sends one of unknown outcome under its key: until the
+        service answers it, whether the call took effect stays unknown."""
 
     def _write(self, status: OperationStatus, **changes: Any) -> OperationWrite:
         op = self.op

@@ -207,13 +207,18 @@ class Effect(Replaying, Reconciling, Approving, Recording):
         if refusal is not None:
             await self._record_failure(refusal)
             return
-        # Past the lease another worker may be reconciling this very claim: never send.
-        self.ctx.hold_lease(id(self))
+        try:
+            target = self._target()
+            # Past the lease another worker may be reconciling this very claim: never send.
+            self.ctx.hold_lease(id(self))
+        except Suspend:
+            await self._withdraw("the run stopped before it was sent")
+            raise
         token = context._key.set(self.key)
         external_ids: list[str] = []  # durably.external_id() inside the tool appends
         ids_token = context._external_ids.set(external_ids)
         try:
-            call = invoke(self._target(), *self.args, **self.kwargs)
+            call = invoke(target, *self.args, **self.kwargs)
             if self.tool.timeout is not None:
                 result = await asyncio.wait_for(call, self.tool.timeout.total_seconds())
             else:

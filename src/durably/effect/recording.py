@@ -100,23 +100,29 @@ class Recording(EffectCore):
             checkpoint=False,
             use_approval=use_approval,
         )
-        if not resend:
-            await self._unless_cancelled()
+        self.resending = resend
+        await self._unless_cancelled()
 
     async def _unless_cancelled(self) -> None:
-        """Just claimed, with nothing under way (a new call, a retry of an attempt known
-        not to have acted): a cancel the claim's commit saw (landed during a retry's
-        backoff, or after the run's last commit) stops the call before it is sent, recorded
-        back to ``intent_recorded`` so that nobody reconciles or sends what never left."""
-        if not self._cancel_pending:
+        """Just claimed: a cancel the claim's commit saw (landed during a retry's backoff, or
+        after the run's last commit) stops a call with nothing under way before it is sent."""
+        if self._cancel_pending and not self.resending:
+            await self._withdraw("the run was cancelled")
+            self.ctx.stop_for_cancel()
+
+    async def _withdraw(self, reason: str) -> None:
+        """A claimed call stops before it is sent: recorded back to ``intent_recorded``, so
+        that nobody reconciles or sends what never left. Not a resend, whose earlier attempt
+        may have acted, nor once the run can no longer be written here (its next holder
+        settles the claim)."""
+        if self.resending or self.ctx.stopped:
             return
         await self._apply(
             self._write(OperationStatus.INTENT_RECORDED, failure_category=None),
             self._step(StepStatus.INTENT_RECORDED),
-            [self._event("effect_not_sent", reason="the run was cancelled")],
+            [self._event("effect_not_sent", reason=reason)],
             run=self._back_to_running(),
         )
-        self.ctx.stop_for_cancel()
 
     async def _record_success(
         self,

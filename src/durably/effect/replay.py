@@ -14,13 +14,12 @@ from durably.effect.core import EffectCore
 from durably.errors import ReplayBlocked
 from durably.keys import json_value
 from durably.status import OperationStatus, ReplayMode
+from durably.stops import Suspend
 from durably.store.base import OperationRecord
 
 
 class Replaying(EffectCore):
     """The replay-mode gate a new call of a fork passes before anything else."""
-
-    sandboxed: bool = False
 
     async def _replay_gate(self) -> bool:
         """Before a new call of a fork: True if it was answered here (``RECORDED``); raise
@@ -29,7 +28,6 @@ class Replaying(EffectCore):
         if mode is None or mode is ReplayMode.LIVE_WITH_NEW_APPROVAL:
             return False
         if mode is ReplayMode.SANDBOX and self.tool.sandbox is not None:
-            self.sandboxed = True
             return False
         if mode is ReplayMode.RECORDED:
             recorded = await self._source_operation()
@@ -41,6 +39,9 @@ class Replaying(EffectCore):
                     known_id=recorded.external_operation_id,
                 )
                 return True
+        raise self._blocked(mode)
+
+    def _blocked(self, mode: ReplayMode) -> Suspend:
         fork = self.ctx.run.input["fork"]
         why = {
             ReplayMode.DISABLED: "the fork's replay mode is DISABLED",
@@ -48,7 +49,7 @@ class Replaying(EffectCore):
             f"{self.step_id} with these arguments",
             ReplayMode.SANDBOX: f"tool {self.tool.name} has no sandbox= implementation",
         }[mode]
-        raise self.ctx.poison(
+        return self.ctx.poison(
             ReplayBlocked(
                 f"{self.tool.name} at {self.step_id} would make a real effect in fork "
                 f"{self.ctx.run.run_id} of {fork['of']}, and {why}; nothing was sent. Fork "
@@ -77,6 +78,17 @@ class Replaying(EffectCore):
             None,
         )
 
+    @property
+    def sandboxed(self) -> bool:
+        return self._replay_mode() is ReplayMode.SANDBOX and self.tool.sandbox is not None
+
     def _target(self) -> Any:
-        """What the call invokes: the tool, or its sandbox in a ``SANDBOX`` fork."""
-        return self.tool.sandbox if self.sandboxed else self.tool.fn
+        """What the call invokes: the tool, or its sandbox in a ``SANDBOX`` fork. Decided by
+        the fork's mode at every attempt, also one a later execution makes (after a pause,
+        a crash, a reconciliation): never by what the execution that prepared it knew."""
+        mode = self._replay_mode()
+        if mode is None or mode is ReplayMode.LIVE_WITH_NEW_APPROVAL:
+            return self.tool.fn
+        if self.sandboxed:
+            return self.tool.sandbox
+        raise self._blocked(mode)  # its sandbox was taken away since it was prepared
