@@ -252,6 +252,53 @@ def test_unknown_outcome_is_reconciled_not_retried(make_app: MakeApp) -> None:
     assert app.metrics.reconciliation.labels(result="succeeded")._value.get() == 1
 
 
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        ConnectionRefusedError("down"),
+        durably.ToolError("slow down", category=FailureCategory.RATE_LIMIT),
+        durably.ToolError("not allowed", category=FailureCategory.PERMISSION),
+    ],
+    ids=["before_send", "rate_limited", "not_allowed"],
+)
+def test_a_resend_that_never_reached_the_service_leaves_the_first_attempt_unknown(
+    make_app: MakeApp, refusal: Exception
+) -> None:
+    """The first payment took effect and its answer was lost; re-sending it under its key
+    fails before reaching the service. That says nothing about the first one: the call stays
+    unknown, and once the attempts are spent a person says, never a failed step the workflow
+    would act on as if nothing was paid."""
+    app = make_app()
+    paid: list[str] = []
+    attempts: list[str] = []
+
+    @app.tool(idempotent=True, retry=RetryPolicy(max_attempts=2, initial_interval=timedelta(0)))
+    def pay() -> str:
+        attempts.append(durably.idempotency_key())
+        if len(attempts) == 1:
+            paid.append(durably.idempotency_key())
+            raise TimeoutError("no answer")
+        raise refusal
+
+    @app.workflow()
+    async def wf() -> str:
+        try:
+            return await pay()
+        except durably.StepFailed:
+            return "not paid"
+
+    run = app.run(wf)
+    assert (run.status, run.status_reason) == (RunStatus.PAUSED, "effect_state_unknown")
+    assert len(attempts) == 2
+    assert len(paid) == 1
+    effect = app.describe(run.run_id)["effects"][0]
+    assert effect["status"] == "unknown"
+    app.resolve_effect(run.run_id, effect["step_id"], "succeeded", result="paid")
+    assert app.worker().run(until_idle=True) == 1
+    assert app.get_run(run.run_id).result == "paid"
+    assert len(paid) == 1
+
+
 def test_reconcile_not_executed_runs_again_with_same_key(make_app: MakeApp) -> None:
     # A short reconcile grace: "not executed" is trusted only after it.
     app = make_app(reconcile_grace=timedelta(milliseconds=200))

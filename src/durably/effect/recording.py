@@ -59,6 +59,20 @@ def classify(tool: ToolDef, exc: BaseException) -> FailureCategory:
     return FailureCategory.UNKNOWN_OUTCOME
 
 
+_SAYS_NOTHING_OF_AN_EARLIER_SEND = frozenset(
+    {
+        FailureCategory.TRANSIENT_BEFORE_SEND,
+        FailureCategory.TRANSIENT_AFTER_SEND,
+        FailureCategory.RATE_LIMIT,
+        FailureCategory.PERMISSION,
+    }
+)
+"""How a re-sent attempt may fail without the service having answered for its key: refused
+before it left or by the service's door (throttled, not allowed), or lost on the way. Only
+an answer for the key (a result, a rejection of the operation itself) settles an earlier
+attempt of unknown outcome."""
+
+
 class Recording(EffectCore):
     """Recording an effect's intent, claim and outcome, and pausing when only a person can
     settle it."""
@@ -240,6 +254,10 @@ class Recording(EffectCore):
             "type": self._scrub(type(exc).__name__),
             "message": storable_text(self._scrub(str(exc))),
         }
+        if self.resending and category in _SAYS_NOTHING_OF_AN_EARLIER_SEND:
+            # Whether the attempt it re-sent took effect is as unknown as before.
+            error["resend_failed"] = category.value
+            category = FailureCategory.UNKNOWN_OUTCOME
         if isinstance(exc, ToolError) and exc.retry_after is not None:
             error["retry_after_s"] = exc.retry_after.total_seconds()
         if category is FailureCategory.UNKNOWN_OUTCOME:
