@@ -45,10 +45,9 @@ after it.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from durably.status import FailureCategory
+from durably.status import FailureCategory
 
 
 class DurablyError(Exception):
@@ -238,7 +237,9 @@ class ToolError(DurablyError):
         retry_after: timedelta | None = None,
     ) -> None:
         super().__init__(message)
-        self.category = category
+        # Its value as a plain string ("PERMISSION") is the same category; any other fails
+        # here, in the tool, which leaves the call's outcome unknown rather than misread.
+        self.category = FailureCategory(category)
         self.retry_after = retry_after
 
 

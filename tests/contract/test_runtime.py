@@ -880,6 +880,30 @@ def test_classify_maps_exceptions_to_categories(make_app: MakeApp) -> None:
     assert categories == ["RATE_LIMIT", "TRANSIENT_BEFORE_SEND"]
 
 
+def test_a_tool_error_takes_its_category_by_name_or_leaves_the_outcome_unknown(
+    make_app: MakeApp,
+) -> None:
+    """``category="PERMISSION"`` is the category; a misspelt one fails in the tool, which
+    leaves the call unknown rather than read as some failure it may not be."""
+    app = make_app()
+
+    @app.tool()
+    def send(category: str) -> str:
+        raise durably.ToolError("no", category=category)  # type: ignore[arg-type]
+
+    @app.workflow()
+    async def wf(category: str) -> str:
+        return await send(category)
+
+    refused = app.run(wf, "PERMISSION")
+    assert (refused.status, refused.status_reason) == (RunStatus.PAUSED, "permission_denied")
+    misspelt = app.run(wf, "PERMISION")
+    assert (misspelt.status, misspelt.status_reason) == (RunStatus.PAUSED, "effect_state_unknown")
+    (effect,) = app.describe(misspelt.run_id)["effects"]
+    assert effect["status"] == "unknown"
+    assert "PERMISION" in effect["error"]["message"]
+
+
 def test_runs_are_pinned_to_their_workflow_version(make_app: MakeApp) -> None:
     """Code with another version neither claims nor executes a run; the right code does."""
     old, new = make_app(), make_app()
