@@ -537,3 +537,53 @@ def test_system_exit_from_a_reconcile_function_leaves_the_call_for_a_person(
     run = app.run(agent)
     assert (run.status, run.status_reason) == (RunStatus.PAUSED, "effect_state_unknown"), run
     assert app.describe(run.run_id)["effects"][0]["status"] in ("unknown", "reconciling")
+
+
+def test_closing_the_app_under_a_run_another_thread_executes_records_where_it_stopped(
+    make_app: MakeApp,
+) -> None:
+    """``close()`` while a tool call is under way: the call lands and is recorded while the
+    store is still open, the run is handed back, and its caller gets a typed error instead
+    of the driver's "closed database". Another App finishes the run without a second call."""
+    app = make_app()
+    received: dict[str, int] = {}  # the service: bookings by key
+    started = threading.Event()
+
+    def tools(app: durably.App) -> None:
+        @app.tool(idempotent=True)
+        async def book() -> str:
+            key = durably.idempotency_key()
+            started.set()
+            await asyncio.sleep(0.5)
+            received[key] = received.get(key, 0) + 1
+            return "booked"
+
+        @app.workflow()
+        async def trip() -> str:
+            return await book()
+
+    tools(app)
+    outcome: list[BaseException | durably.Run] = []
+
+    def execute() -> None:
+        try:
+            outcome.append(app.run("trip", run_id="run-closed-under"))
+        except BaseException as exc:  # what the caller sees is the point
+            outcome.append(exc)
+
+    caller = threading.Thread(target=execute)
+    caller.start()
+    assert started.wait(10)
+    app.close()
+    caller.join(10)
+    (seen,) = outcome
+    assert isinstance(seen, durably.StoreUnavailable), repr(seen)
+    assert "closed" in str(seen)
+    other = make_app()
+    tools(other)
+    statuses = {e["step_id"]: e["status"] for e in other.describe("run-closed-under")["effects"]}
+    assert statuses == {"book#1": "succeeded"}
+    assert [e.type for e in other.events("run-closed-under")][-1] == "run_released"
+    assert other.worker().run(until_idle=True) == 1
+    assert other.get_run("run-closed-under").result == "booked"
+    assert list(received.values()) == [1]
