@@ -211,8 +211,8 @@ def test_migrators_queued_on_a_schema_named_in_quotes_create_it_once(
 
 
 def test_postgres_statuses_become_domains_in_place_over_existing_rows(postgres_schema: str) -> None:
-    """A database at migration 7 holding a run, its step and its operation: migrations 8
-    and 9 keep every row and status, rewrite no table (each keeps its file), and afterwards
+    """A database at migration 7 holding a run, its step and its operation: the migrations
+    since keep every row and status, rewrite no table (each keeps its file), and afterwards
     a status outside its domain and a run's deletion are refused."""
     import psycopg
 
@@ -247,7 +247,7 @@ def test_postgres_statuses_become_domains_in_place_over_existing_rows(postgres_s
             "VALUES ('t', 'k', 'r1', 'send#1', 1, 'send', '1', 'h', '{}', 'unknown', 0, 0)"
         )
         files = [conn.execute("SELECT pg_relation_filenode(%s)", (t,)).fetchone() for t in tables]
-        assert Migrator("postgres", target).apply() == [8, 9]
+        assert Migrator("postgres", target).apply() == [8, 9, 10]
         assert conn.execute(statuses).fetchall() == [("paused", "tool", "unknown", "unknown")]
         assert [
             conn.execute("SELECT pg_relation_filenode(%s)", (t,)).fetchone() for t in tables

@@ -122,6 +122,7 @@ async def fork(
                 result_json=output_json,
                 external_operation_id=op.external_operation_id,
                 attempt=op.attempt,
+                origin_key=op.origin_key or op.idempotency_key,
             )
         copies.append(
             Transition(

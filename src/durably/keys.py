@@ -152,3 +152,10 @@ def idempotency_key(
             ]
         )
     )
+
+
+def undo_key(effect_key: str) -> str:
+    """The idempotency key of the undo of the effect first recorded under ``effect_key`` (a
+    fork's copies name that key as their origin). One key for every run holding a record of
+    the effect, so the ledger lets only one of them undo it, once."""
+    return sha256_hex(_plain(["durably.undo_key", effect_key]))

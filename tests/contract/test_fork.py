@@ -429,3 +429,66 @@ def test_a_sandbox_call_attempted_again_in_a_later_execution_stays_in_the_sandbo
     assert done.status is RunStatus.COMPLETED, done.error
     assert done.result == ["hotel bo (sandbox)"]
     assert sent == Counter({"hotel bo": 1, "sandbox hotel bo": 2})
+
+
+@pytest.mark.parametrize("first", ["source", "fork"])
+def test_an_effect_held_by_a_run_and_its_fork_is_undone_once(make_app: MakeApp, first: str) -> None:
+    """The fork's copy of a booking is the same booking: cancelled with compensations,
+    the run and its live fork each undo it, whichever goes first; the second finds it
+    undone and records so, without releasing it again."""
+    app = make_app()
+    booked = Bookings(app).sent
+    source = app.run("trip", 1)
+    forked = app.fork(source.run_id, replay=ReplayMode.LIVE_WITH_NEW_APPROVAL)
+
+    def cancel_source() -> None:
+        assert app.cancel(source.run_id, compensate=True).status is RunStatus.CANCELLED
+
+    def cancel_fork() -> None:
+        waiting = app.cancel(forked.run_id, compensate=True)
+        if waiting.status is RunStatus.WAITING_APPROVAL:  # a live fork's undo asks first
+            app.approve(forked.run_id, by="ana")
+            app.worker().run(until_idle=True)
+        assert app.get_run(forked.run_id).status is RunStatus.CANCELLED
+
+    for cancel in (
+        (cancel_source, cancel_fork) if first == "source" else (cancel_fork, cancel_source)
+    ):
+        cancel()
+    assert booked == Counter({"book 0": 1, "release book#1": 1})
+    for run_id in (source.run_id, forked.run_id):
+        assert effect_statuses(app, run_id)["book#1"] == "compensated"
+
+
+def test_an_undo_under_way_in_the_source_is_not_made_again_by_its_fork(
+    make_app: MakeApp,
+) -> None:
+    """The source's undo of a booking got no answer (unknown, paused for a person): the
+    fork, cancelled with compensations, must not release the booking meanwhile; it ends
+    cancelled, saying which run holds the undo."""
+    app = make_app()
+    sent: Counter[str] = Counter()
+
+    def release(op: durably.Operation) -> None:
+        sent[f"release {op.step_id}"] += 1
+        raise TimeoutError("no answer")  # after acting
+
+    @app.tool(compensate=release)  # neither its key nor a lookup: only a person can say
+    def book(k: int) -> int:
+        sent[f"book {k}"] += 1
+        return k
+
+    @app.workflow()
+    async def trip() -> Any:
+        await book(0)
+        return await durably.wait_for_event("go")
+
+    source = app.run(trip)
+    forked = app.fork(source.run_id, replay=ReplayMode.LIVE_WITH_NEW_APPROVAL)
+    paused = app.cancel(source.run_id, compensate=True)
+    assert (paused.status, paused.status_reason) == (RunStatus.PAUSED, "effect_state_unknown")
+    cancelled = app.cancel(forked.run_id, compensate=True)
+    assert cancelled.status is RunStatus.CANCELLED
+    assert cancelled.error is not None
+    assert source.run_id in cancelled.error["message"]
+    assert sent == Counter({"book 0": 1, "release book#1": 1})

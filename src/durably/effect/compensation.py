@@ -7,8 +7,9 @@ from dataclasses import asdict, replace
 
 from durably.definitions import ToolDef
 from durably.effect.protocol import Effect
+from durably.errors import StepFailed
 from durably.execution import RunContext
-from durably.keys import json_value, plain_json
+from durably.keys import json_value, plain_json, undo_key
 from durably.reconcile import Operation
 from durably.status import OperationStatus
 from durably.store.base import (
@@ -61,6 +62,17 @@ async def compensate(
             # The workflow's own undo of it, cut short by the cancel or failed: the
             # cancellation takes it up (and meets its failure again, if it failed).
             ctx.reached.pop(undo_id, None)
+        key = _undo_key(ctx, op, undo_id)
+        if key not in ctx.operations:
+            elsewhere = await ctx.store.operation(ctx.run.tenant, key)
+            if elsewhere is not None and elsewhere.run_id != ctx.run.run_id:
+                # Another run holding a record of the same effect (a fork and its source)
+                # has undone it, or is undoing it: this run never undoes it a second time.
+                if elsewhere.status is not OperationStatus.SUCCEEDED:
+                    raise _undone_elsewhere(ctx, op, undo_id, elsewhere)
+                await _compensated(ctx, op, by_run=elsewhere.run_id)
+                done.append(op.step_id)
+                continue
         undo = ctx.engine.registry.compensation_def(tool)
         operation = Operation(
             run_id=op.run_id,
@@ -72,43 +84,72 @@ async def compensate(
             attempt=op.attempt,
             result=json_value(op.result_json or "null"),
         )
-        undoing = Effect(ctx, undo, (asdict(operation),), {}, undo_id)
+        undoing = Effect(ctx, undo, (asdict(operation),), {}, undo_id, key=key)
         undoing.compensating = True
         await undoing.settle()
-        current = ctx.operations[op.idempotency_key]
-        if current.status is OperationStatus.SUCCEEDED:
-            await ctx.commit(
-                Transition(
-                    events=[
-                        EventWrite(
-                            "effect_compensated",
-                            op.step_id,
-                            {"tool": op.tool, "idempotency_key": op.idempotency_key},
-                        )
-                    ],
-                    operation=OperationWrite(
-                        tenant=current.tenant,
-                        idempotency_key=current.idempotency_key,
-                        run_id=current.run_id,
-                        step_id=current.step_id,
-                        plan_version=current.plan_version,
-                        tool=current.tool,
-                        tool_version=current.tool_version,
-                        input_hash=current.input_hash,
-                        arguments_json=plain_json(current.arguments),
-                        status=OperationStatus.COMPENSATED,
-                        result_json=current.result_json,
-                        external_operation_id=current.external_operation_id,
-                        attempt=current.attempt,
-                        expect_row_version=current.row_version,
-                    ),
-                )
-            )
-            ctx.operations[op.idempotency_key] = replace(
-                current, status=OperationStatus.COMPENSATED, row_version=current.row_version + 1
-            )
+        await _compensated(ctx, op)
         done.append(op.step_id)
     return done
+
+
+def _undo_key(ctx: RunContext, op: OperationRecord, undo_id: str) -> str:
+    """The key ``op`` is undone under: derived from the effect's first record, so a fork
+    and its source share it; or the one its undo was recorded with (by an older durably,
+    whose undo keys were the run's own)."""
+    recorded = ctx.steps.get(undo_id)
+    if recorded is not None and recorded.idempotency_key is not None:
+        return recorded.idempotency_key
+    return undo_key(op.origin_key or op.idempotency_key)
+
+
+def _undone_elsewhere(
+    ctx: RunContext, op: OperationRecord, undo_id: str, undo: OperationRecord
+) -> StepFailed:
+    return StepFailed(
+        f"the undo of {op.tool} at {op.step_id} is run {undo.run_id}'s (the same effect, "
+        f"which that run also holds), and is {undo.status.value} there: this run does not "
+        f"undo it again. Settle it in run {undo.run_id} (durably describe {undo.run_id})",
+        run_id=ctx.run.run_id,
+        step_id=undo_id,
+        idempotency_key=undo.idempotency_key,
+    )
+
+
+async def _compensated(ctx: RunContext, op: OperationRecord, **payload: str) -> None:
+    """Mark ``op`` compensated once its undo succeeded (here, or in ``by_run``)."""
+    current = ctx.operations[op.idempotency_key]
+    if current.status is not OperationStatus.SUCCEEDED:
+        return
+    await ctx.commit(
+        Transition(
+            events=[
+                EventWrite(
+                    "effect_compensated",
+                    op.step_id,
+                    {"tool": op.tool, "idempotency_key": op.idempotency_key, **payload},
+                )
+            ],
+            operation=OperationWrite(
+                tenant=current.tenant,
+                idempotency_key=current.idempotency_key,
+                run_id=current.run_id,
+                step_id=current.step_id,
+                plan_version=current.plan_version,
+                tool=current.tool,
+                tool_version=current.tool_version,
+                input_hash=current.input_hash,
+                arguments_json=plain_json(current.arguments),
+                status=OperationStatus.COMPENSATED,
+                result_json=current.result_json,
+                external_operation_id=current.external_operation_id,
+                attempt=current.attempt,
+                expect_row_version=current.row_version,
+            ),
+        )
+    )
+    ctx.operations[op.idempotency_key] = replace(
+        current, status=OperationStatus.COMPENSATED, row_version=current.row_version + 1
+    )
 
 
 def undoable(ctx: RunContext, op: OperationRecord) -> ToolDef | None:

@@ -50,7 +50,11 @@ class EffectCore:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         explicit_step_id: str | None,
+        *,
+        key: str | None = None,
     ) -> None:
+        """``key``: the call's idempotency key, if it is not derived from where the run makes
+        the call (an undo's, shared by every run holding a record of the effect it undoes)."""
         self.ctx = ctx
         self.tool = tool
         self.args = args
@@ -61,7 +65,7 @@ class EffectCore:
         secret = ctx.engine.secret_key if tool.redact else None
         self.input_hash = input_hash(tool.name, tool.version, self.arguments, key=secret)
         run = ctx.run
-        self.key = idempotency_key(
+        self.key = key or idempotency_key(
             run.tenant,
             run.run_id,
             ctx.plan_version,

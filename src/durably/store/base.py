@@ -102,6 +102,9 @@ class OperationRecord:
     row_version: int
     created_at: float
     updated_at: float
+    origin_key: str | None = None
+    """A fork's copy of a call: the key of the operation that made the effect (see
+    ``OperationWrite.origin_key``); None: this run made it."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,10 @@ class OperationWrite:
     """When no lease holds the operation: the latest moment (store clock) a send of it may
     have started, kept as its ``lease_until``. A reconciliation's "not executed" is trusted
     only once that moment plus the reconcile grace has passed."""
+    origin_key: str | None = None
+    """A fork's copy of a call another run made: that run's operation key (the first one's,
+    through forks of forks). Every run holding a record of the effect undoes it under one
+    key derived from it, so it is undone once. Written with the insert only."""
 
 
 @dataclass(frozen=True)
@@ -474,6 +481,10 @@ class Store(abc.ABC):
     async def load_journal(
         self, run_id: str, *, checkpoints: int = CHECKPOINTS_READ
     ) -> Journal | None: ...
+
+    @abc.abstractmethod
+    async def operation(self, tenant: str, idempotency_key: str) -> OperationRecord | None:
+        """The tool operation recorded under this key, whichever run recorded it."""
 
     @abc.abstractmethod
     async def events(self, run_id: str, *, after: int = 0) -> list[Event]: ...

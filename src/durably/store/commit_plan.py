@@ -462,5 +462,6 @@ def _operation(guard: Lease | Expect, o: OperationWrite) -> Query:
         tool_version=o.tool_version,
         input_hash=o.input_hash,
         arguments_json=o.arguments_json,
+        origin_key=o.origin_key,
     )
     return ("insert_operation", params)

@@ -95,6 +95,7 @@ def operation_from_row(r: Row) -> OperationRecord:
         row_version=r["row_version"],
         created_at=r["created_at"],
         updated_at=r["updated_at"],
+        origin_key=r["origin_key"],
     )
 
 

@@ -23,13 +23,19 @@ from durably.store.base import (
     Journal,
     Lease,
     NewRun,
+    OperationRecord,
     RunRecord,
     Store,
     StoredCheckpoint,
     Transition,
 )
 from durably.store.plans import Plan, Query, Rows, lease_lost
-from durably.store.rows import checkpoint_from_row, event_from_row, run_from_row
+from durably.store.rows import (
+    checkpoint_from_row,
+    event_from_row,
+    operation_from_row,
+    run_from_row,
+)
 
 T = TypeVar("T")
 
@@ -248,6 +254,10 @@ class SQLStore(Store):
         return await self._run(
             lambda: plans.load_journal(run_id, checkpoints), idempotent=True, read_only=True
         )
+
+    async def operation(self, tenant: str, idempotency_key: str) -> OperationRecord | None:
+        rows = await self._one("operation", {"tenant": tenant, "key": idempotency_key})
+        return operation_from_row(rows[0]) if rows else None
 
     async def events(self, run_id: str, *, after: int = 0) -> list[Event]:
         rows = await self._one("events", {"run_id": run_id, "after": after})

@@ -192,13 +192,14 @@ RETURNING last_sequence, state_version, lease_until, cancel_requested,
 INSERT INTO durably_tool_operations (tenant_id, idempotency_key, run_id, step_id,
     plan_version, tool_name, tool_version, input_hash, arguments_json, status, result_json,
     error_json, failure_category, external_operation_id, attempt, lease_owner, lease_until,
-    lease_epoch, row_version, created_at, updated_at)
+    lease_epoch, row_version, created_at, updated_at, origin_key)
 VALUES (%(tenant)s, %(idempotency_key)s, %(run_id)s, %(step_id)s, %(plan_version)s,
     %(tool)s, %(tool_version)s, %(input_hash)s, %(arguments_json)s, %(status)s,
     %(result_json)s, %(error_json)s, %(failure_category)s, %(external_operation_id)s,
     %(attempt)s, %(lease_owner)s,
     CASE WHEN %(held)s THEN extract(epoch FROM now()) + %(ttl)s ELSE %(send_deadline)s END,
-    %(lease_epoch)s, 1, extract(epoch FROM now()), extract(epoch FROM now()))
+    %(lease_epoch)s, 1, extract(epoch FROM now()), extract(epoch FROM now()),
+    %(origin_key)s)
 ON CONFLICT DO NOTHING;
 
 -- name: update_operation
@@ -549,6 +550,11 @@ JOIN durably_runs r ON r.run_id = s.run_id
 JOIN durably_tool_operations o
   ON o.tenant_id = r.tenant_id AND o.idempotency_key = s.idempotency_key
 WHERE s.run_id = %(run_id)s;
+
+-- name: operation
+-- One tool operation by its key, whichever run recorded it.
+SELECT * FROM durably_tool_operations
+WHERE tenant_id = %(tenant)s AND idempotency_key = %(key)s;
 
 -- name: latest_checkpoints
 -- The run's newest checkpoints.

@@ -101,6 +101,7 @@ CREATE TABLE durably_tool_operations (
     row_version            BIGINT NOT NULL DEFAULT 0,
     created_at             DOUBLE PRECISION NOT NULL,
     updated_at             DOUBLE PRECISION NOT NULL,
+    origin_key             TEXT,
     PRIMARY KEY (tenant_id, idempotency_key)
 );
 

@@ -148,11 +148,12 @@ RETURNING last_sequence, state_version, lease_until, cancel_requested,
 INSERT INTO durably_tool_operations (tenant_id, idempotency_key, run_id, step_id,
     plan_version, tool_name, tool_version, input_hash, arguments_json, status, result_json,
     error_json, failure_category, external_operation_id, attempt, lease_owner, lease_until,
-    lease_epoch, row_version, created_at, updated_at)
+    lease_epoch, row_version, created_at, updated_at, origin_key)
 VALUES (:tenant, :idempotency_key, :run_id, :step_id, :plan_version, :tool, :tool_version,
     :input_hash, :arguments_json, :status, :result_json, :error_json, :failure_category,
     :external_operation_id, :attempt, :lease_owner,
-    CASE WHEN :held THEN :now + :ttl ELSE :send_deadline END, :lease_epoch, 1, :now, :now)
+    CASE WHEN :held THEN :now + :ttl ELSE :send_deadline END, :lease_epoch, 1, :now, :now,
+    :origin_key)
 ON CONFLICT DO NOTHING;
 
 -- name: update_operation
@@ -365,6 +366,10 @@ JOIN durably_runs r ON r.run_id = s.run_id
 JOIN durably_tool_operations o
   ON o.tenant_id = r.tenant_id AND o.idempotency_key = s.idempotency_key
 WHERE s.run_id = :run_id;
+
+-- name: operation
+-- One tool operation by its key, whichever run recorded it.
+SELECT * FROM durably_tool_operations WHERE tenant_id = :tenant AND idempotency_key = :key;
 
 -- name: latest_checkpoints
 -- The run's newest checkpoints.

@@ -128,6 +128,7 @@ CREATE TABLE durably_tool_operations (
     row_version            INTEGER NOT NULL DEFAULT 0,
     created_at             REAL NOT NULL,
     updated_at             REAL NOT NULL,
+    origin_key             TEXT,
     PRIMARY KEY (tenant_id, idempotency_key)
 ) WITHOUT ROWID;
 
