@@ -99,10 +99,10 @@ async def start(
     )
     if not execute_here:
         record, created = await store.create_run(new)
-        return _started(new, record, created).run_id, None
+        return asked_for(new, record, created).run_id, None
     owner = owners.owner_name("inproc")
     record, created, claim = await store.start_run(new, owner, engine.lease_ttl.total_seconds())
-    _started(new, record, created)
+    asked_for(new, record, created)
     if claim is not None:
         return run_id, await runtime.drive(engine, claim, report=True)
     if not created:
@@ -110,7 +110,7 @@ async def start(
     return run_id, None
 
 
-def _started(new: NewRun, record: RunRecord, created: bool) -> RunRecord:
+def asked_for(new: NewRun, record: RunRecord, created: bool) -> RunRecord:
     """The run ``new`` asked for, unless its id is another run's."""
     if not created and (record.input_hash != new.input_hash or record.tenant != new.tenant):
         raise IdempotencyConflict(

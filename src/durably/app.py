@@ -441,7 +441,9 @@ class App(Registration):
         sent; ``RECORDED`` answers from the source's ledger (same step id, same input) or
         pauses; ``SANDBOX`` calls the tool's ``sandbox=``; ``LIVE_WITH_NEW_APPROVAL`` makes
         the effect for real after a fresh approval bound to the fork. Works on finished
-        runs too: the way to continue one with new code.
+        runs too: the way to continue one with new code. Idempotent on ``new_run_id``:
+        asked again, the same fork is returned (IdempotencyConflict if that id is another
+        run's).
 
         Example::
 

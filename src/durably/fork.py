@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from durably.actions import new_run_id, receipt
+from durably.actions import asked_for, new_run_id, receipt
 from durably.checkpoint import JournalState
 from durably.effect.compensation import UNDO_PREFIX
 from durably.engine import Engine
@@ -157,7 +157,11 @@ async def fork(
     # there (it would run again what the source did), nor find half of it after a crash.
     ttl_s = engine.lease_ttl.total_seconds()
     if await store.create_fork(new, copies, owner=owner, ttl_s=ttl_s) is None:
-        raise InvalidInput(f"run {new.run_id} exists already; fork under a new run id")
+        # Asked again (its first answer lost with the connection, say): the same fork is
+        # the one asked for; another run under that id is refused.
+        existing = await store.get_run(new.run_id)
+        assert existing is not None  # runs are never deleted
+        asked_for(new, existing, created=False)
     return new.run_id
 
 

@@ -492,3 +492,18 @@ def test_an_undo_under_way_in_the_source_is_not_made_again_by_its_fork(
     assert cancelled.error is not None
     assert source.run_id in cancelled.error["message"]
     assert sent == Counter({"book 0": 1, "release book#1": 1})
+
+
+def test_a_fork_asked_again_under_its_run_id_is_the_same_fork(make_app: MakeApp) -> None:
+    """Asked again (its first answer lost with the connection), a fork under the same new
+    run id is the one already made, copied once; another fork under that id is refused."""
+    app = make_app()
+    shop = Shop(app)
+    source = shop.run()
+    first = app.fork(source.run_id, at="charge#1", new_run_id="run-fork-again")
+    again = app.fork(source.run_id, at="charge#1", new_run_id="run-fork-again")
+    assert again.run_id == first.run_id
+    assert again.created_at == first.created_at
+    assert [e.type for e in app.events(first.run_id)].count("step_forked") == 2
+    with pytest.raises(durably.IdempotencyConflict, match="run-fork-again"):
+        app.fork(source.run_id, at="plan#1", new_run_id="run-fork-again")

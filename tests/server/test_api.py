@@ -353,7 +353,7 @@ def test_fork(h: Harness) -> None:
     bad = [
         ({"replay": "SOMETIMES"}, 422),
         ({"at": "nope#1"}, 422),
-        ({"run_id": "f-9"}, 422),
+        ({"run_id": "f-9"}, 409),  # another fork (its mode) under f-9's id
         ({"typo": 1}, 422),
     ]
     for body, status in bad:
