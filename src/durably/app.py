@@ -153,11 +153,10 @@ class App(Registration):
         """Close the store and stop the thread that runs the blocking methods (with the
         connections of event loops that used the App and have ended)."""
         if self._loop.running:
-            # A call still running on the loop (a run another thread executes) stops first,
-            # recording where it stopped while the store is open.
-            self._loop.stop(self.close_async())
+            self._loop.call(self.close_async())
         else:
             self.engine.close_ended_loops()
+        self._loop.stop()
 
     # -- runs ---------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from durably.errors import DurablyError, StoreUnavailable
+from durably.errors import DurablyError
 
 R = TypeVar("R")
 
@@ -26,10 +26,6 @@ class LoopThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._calls: set[asyncio.Task[Any]] = set()
-        """The calls running on the loop (touched on the loop's thread only)."""
-        self._cut: set[asyncio.Task[Any]] = set()
-        """The calls cancelled because the loop is closing."""
 
     @property
     def running(self) -> bool:
@@ -54,60 +50,32 @@ class LoopThread:
                 )
                 self._thread.start()
             loop = self._loop
-        return asyncio.run_coroutine_threadsafe(self._tracked(coro), loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
-    async def _tracked(self, coro: Coroutine[Any, Any, R]) -> R:
-        task = asyncio.current_task()
-        assert task is not None
-        self._calls.add(task)
-        try:
-            return await coro
-        except asyncio.CancelledError:
-            if task not in self._cut:
-                raise
-            raise StoreUnavailable(
-                "the App was closed while this call ran: what it did is recorded, and a "
-                "worker takes its run up again"
-            ) from None
-        finally:
-            self._calls.discard(task)
-            self._cut.discard(task)
-
-    def stop(self, last: Coroutine[Any, Any, None] | None = None) -> None:
-        """Cancel what still runs on the loop and let it end, then run ``last`` (closing
-        the store those tasks record their stop in), then end the thread."""
+    def stop(self) -> None:
         with self._lock:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
         if loop is not None and thread is not None:
-            asyncio.run_coroutine_threadsafe(self._wind_down(last), loop).result()
+            # What is left on the loop (another App's pool used from code running here, a
+            # caller's own task) is cancelled and let finish, as asyncio.run does: a loop
+            # closed under pending tasks has them destroyed mid-await when collected.
+            asyncio.run_coroutine_threadsafe(_cancel_the_rest(), loop).result()
             loop.call_soon_threadsafe(loop.stop)
             thread.join()
             loop.close()
-        elif last is not None:
-            last.close()
-
-    async def _wind_down(self, last: Coroutine[Any, Any, None] | None) -> None:
-        # The calls still running (a run another thread executes) stop first and record
-        # where they stopped; then ``last`` closes the store; then whatever else is left on
-        # the loop (another App's pool used from code running here) is cancelled and let
-        # finish, as asyncio.run does: a loop closed under pending tasks has them destroyed
-        # mid-await when collected.
-        self._cut.update(self._calls)
-        await _cancel(list(self._calls))
-        if last is not None:
-            await last
-        this = asyncio.current_task()
-        await _cancel([task for task in asyncio.all_tasks() if task is not this])
-        await asyncio.get_running_loop().shutdown_asyncgens()
 
 
-async def _cancel(tasks: list[asyncio.Task[Any]]) -> None:
-    for task in tasks:
+async def _cancel_the_rest() -> None:
+    this = asyncio.current_task()
+    rest = [task for task in asyncio.all_tasks() if task is not this]
+    for task in rest:
         task.cancel()
-    if tasks:
+    if rest:
         # Bounded: a task that will not end when cancelled must not hang the App's close.
-        done, _ = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+        done, _ = await asyncio.wait(rest, timeout=CLOSE_WAIT_S)
         for task in done:
+            # Ending under a closed store is expected here: not "never retrieved" noise.
             if not task.cancelled():
-                task.exception()  # retrieved: its caller was told (StoreUnavailable)
+                task.exception()
+    await asyncio.get_running_loop().shutdown_asyncgens()
