@@ -299,6 +299,42 @@ def test_a_resend_that_never_reached_the_service_leaves_the_first_attempt_unknow
     assert len(paid) == 1
 
 
+def test_a_resend_that_declines_as_control_flow_leaves_the_first_attempt_unknown(
+    make_app: MakeApp,
+) -> None:
+    """A tool re-sent after an answer was lost raises its framework's control flow (ask the
+    model again): that resend chose not to act, but the first attempt may have. The call
+    stays unknown, never recorded as not sent."""
+    app = make_app()
+    paid: list[str] = []
+
+    class AskAgain(Exception):
+        pass
+
+    @app.tool(
+        idempotent=True,
+        control_flow=[AskAgain],
+        retry=RetryPolicy(max_attempts=2, initial_interval=timedelta(0)),
+    )
+    def pay() -> str:
+        if not paid:
+            paid.append(durably.idempotency_key())
+            raise TimeoutError("no answer")
+        raise AskAgain
+
+    @app.workflow()
+    async def wf() -> str:
+        try:
+            return await pay()
+        except AskAgain:
+            return "asked again"
+
+    run = app.run(wf)
+    assert (run.status, run.status_reason) == (RunStatus.PAUSED, "effect_state_unknown")
+    assert len(paid) == 1
+    assert app.describe(run.run_id)["effects"][0]["status"] == "unknown"
+
+
 def test_reconcile_not_executed_runs_again_with_same_key(make_app: MakeApp) -> None:
     # A short reconcile grace: "not executed" is trusted only after it.
     app = make_app(reconcile_grace=timedelta(milliseconds=200))

@@ -229,7 +229,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
                 # The tool stopped at durably.check_lease() (or the run stopped meanwhile):
                 # nothing can be recorded from here; the run's next holder settles the call.
                 raise Suspend from exc
-            if self.tool.is_control_flow(exc):
+            if self.tool.is_control_flow(exc) and not self.resending:
                 await self._record_not_sent(exc)
                 raise
             if isinstance(exc, OutcomeUnknown) and exc.external_id is not None:
