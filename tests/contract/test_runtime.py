@@ -299,6 +299,30 @@ def test_a_resend_that_never_reached_the_service_leaves_the_first_attempt_unknow
     assert len(paid) == 1
 
 
+def test_a_throttled_resend_waits_the_delay_the_service_asked_for(make_app: MakeApp) -> None:
+    app = make_app()
+    sent: list[float] = []
+
+    @app.tool(idempotent=True, retry=RetryPolicy(max_attempts=3, initial_interval=timedelta(0)))
+    def pay() -> str:
+        sent.append(time.monotonic())
+        if len(sent) == 1:
+            raise TimeoutError("no answer")
+        if len(sent) == 2:
+            raise durably.ToolError(
+                "slow down", category=FailureCategory.RATE_LIMIT, retry_after=timedelta(seconds=0.5)
+            )
+        return "paid"
+
+    @app.workflow()
+    async def wf() -> str:
+        return await pay()
+
+    assert app.run(wf).result == "paid"
+    assert len(sent) == 3
+    assert sent[2] - sent[1] >= 0.5
+
+
 def test_a_resend_that_declines_as_control_flow_leaves_the_first_attempt_unknown(
     make_app: MakeApp,
 ) -> None:

@@ -44,7 +44,9 @@ class Reconciling(EffectCore):
         if self.tool.reconcile is None:
             # Idempotent tool: the service deduplicates by our key, so re-sending is safe.
             if op.attempt < self.tool.retry.max_attempts:
-                await asyncio.sleep(self.tool.retry.delay_s(op.attempt))
+                # A resend the service throttled said when to come back (retry_after).
+                delay = self.tool.retry.delay_s(op.attempt)
+                await asyncio.sleep(max(delay, float((op.error or {}).get("retry_after_s", 0))))
                 await self._claim("effect_resent", resend=True)
             else:
                 await self._pause()
