@@ -507,3 +507,43 @@ def test_a_fork_asked_again_under_its_run_id_is_the_same_fork(make_app: MakeApp)
     assert [e.type for e in app.events(first.run_id)].count("step_forked") == 2
     with pytest.raises(durably.IdempotencyConflict, match="run-fork-again"):
         app.fork(source.run_id, at="plan#1", new_run_id="run-fork-again")
+
+
+def test_a_sandbox_call_of_unknown_outcome_is_not_looked_up_at_the_real_service(
+    make_app: MakeApp,
+) -> None:
+    """The sandbox gave no answer: the real service's lookup (``reconcile=``), which never
+    saw the fork's call and might find the source's booking, is not asked; the call goes to
+    the sandbox again."""
+    app = make_app()
+    sent: Counter[str] = Counter()
+
+    def lookup(op: durably.Operation) -> durably.Reconciliation:
+        sent["lookup"] += 1
+        return durably.Reconciliation.not_executed()
+
+    def rehearse(who: str) -> str:
+        sent["sandbox"] += 1
+        if sent["sandbox"] == 1:
+            raise TimeoutError("no answer")
+        return f"room for {who} (sandbox)"
+
+    @app.step()
+    def plan(who: str) -> str:
+        return who
+
+    @app.tool(reconcile=lookup, sandbox=rehearse)
+    def hotel(who: str) -> str:
+        sent["hotel"] += 1
+        return f"room for {who}"
+
+    @app.workflow()
+    async def stay(who: str) -> str:
+        return await hotel(await plan(who))
+
+    source = app.run(stay, "cy")
+    forked = app.fork(source.run_id, at="plan#1", replay=ReplayMode.SANDBOX)
+    done = app.resume(forked.run_id)
+    assert done.status is RunStatus.COMPLETED, done.error
+    assert done.result == "room for cy (sandbox)"
+    assert sent == Counter({"hotel": 1, "sandbox": 2})

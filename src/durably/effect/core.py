@@ -360,6 +360,10 @@ class EffectCore:
         raise NotImplementedError
 
     @property
+    def sandboxed(self) -> bool:
+        raise NotImplementedError
+
+    @property
     def _cancel_pending(self) -> bool:
         """The run is cancelled, and this call is not one of its compensations."""
         return bool(self.ctx.cancel_requested) and not self.compensating

@@ -41,8 +41,10 @@ class Reconciling(EffectCore):
                 checkpoint=False,
             )
             self.reconciling = True
-        if self.tool.reconcile is None:
+        if self.tool.reconcile is None or self.sandboxed:
             # Idempotent tool: the service deduplicates by our key, so re-sending is safe.
+            # A sandbox call is sent again to the sandbox: the real service, which never saw
+            # it, is not asked about it.
             if op.attempt < self.tool.retry.max_attempts:
                 # A resend the service throttled said when to come back (retry_after).
                 delay = self.tool.retry.delay_s(op.attempt)
