@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import asdict, replace
 
 from durably.definitions import ToolDef
 from durably.effect.protocol import Effect
-from durably.errors import StepFailed
+from durably.errors import InvalidTransition, StepFailed
 from durably.execution import RunContext
 from durably.keys import json_value, plain_json, undo_key
 from durably.reconcile import Operation
@@ -63,16 +65,9 @@ async def compensate(
             # cancellation takes it up (and meets its failure again, if it failed).
             ctx.reached.pop(undo_id, None)
         key = _undo_key(ctx, op, undo_id)
-        if key not in ctx.operations:
-            elsewhere = await ctx.store.operation(ctx.run.tenant, key)
-            if elsewhere is not None and elsewhere.run_id != ctx.run.run_id:
-                # Another run holding a record of the same effect (a fork and its source)
-                # has undone it, or is undoing it: this run never undoes it a second time.
-                if elsewhere.status is not OperationStatus.SUCCEEDED:
-                    raise _undone_elsewhere(ctx, op, undo_id, elsewhere)
-                await _compensated(ctx, op, by_run=elsewhere.run_id)
-                done.append(op.step_id)
-                continue
+        if key not in ctx.operations and await _undone_elsewhere(ctx, op, undo_id, key):
+            done.append(op.step_id)
+            continue
         undo = ctx.engine.registry.compensation_def(tool)
         operation = Operation(
             run_id=op.run_id,
@@ -86,7 +81,14 @@ async def compensate(
         )
         undoing = Effect(ctx, undo, (asdict(operation),), {}, undo_id, key=key)
         undoing.compensating = True
-        await undoing.settle()
+        try:
+            await undoing.settle()
+        except InvalidTransition:
+            # Another run recorded the undo between the look and this run's intent.
+            if key in ctx.operations or not await _undone_elsewhere(ctx, op, undo_id, key):
+                raise
+            done.append(op.step_id)
+            continue
         await _compensated(ctx, op)
         done.append(op.step_id)
     return done
@@ -102,17 +104,31 @@ def _undo_key(ctx: RunContext, op: OperationRecord, undo_id: str) -> str:
     return undo_key(op.origin_key or op.idempotency_key)
 
 
-def _undone_elsewhere(
-    ctx: RunContext, op: OperationRecord, undo_id: str, undo: OperationRecord
-) -> StepFailed:
-    return StepFailed(
-        f"the undo of {op.tool} at {op.step_id} is run {undo.run_id}'s (the same effect, "
-        f"which that run also holds), and is {undo.status.value} there: this run does not "
-        f"undo it again. Settle it in run {undo.run_id} (durably describe {undo.run_id})",
-        run_id=ctx.run.run_id,
-        step_id=undo_id,
-        idempotency_key=undo.idempotency_key,
-    )
+async def _undone_elsewhere(ctx: RunContext, op: OperationRecord, undo_id: str, key: str) -> bool:
+    """Whether another run holding a record of the same effect (a fork and its source) has
+    undone it: then ``op`` is marked compensated here, and nothing is sent. An undo still
+    under way there is waited for (up to half this run's lease); one that did not succeed
+    raises, naming that run: this run never undoes the effect a second time."""
+    deadline = time.monotonic() + ctx.lease.ttl_s / 2
+    while True:
+        undo = await ctx.store.operation(ctx.run.tenant, key)
+        if undo is None or undo.run_id == ctx.run.run_id:
+            return False
+        under_way = undo.status in (OperationStatus.INTENT_RECORDED, OperationStatus.EXECUTING)
+        if not under_way or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    if undo.status is not OperationStatus.SUCCEEDED:
+        raise StepFailed(
+            f"the undo of {op.tool} at {op.step_id} is run {undo.run_id}'s (the same effect, "
+            f"which that run also holds), and is {undo.status.value} there: this run does not "
+            f"undo it again. Settle it in run {undo.run_id} (durably describe {undo.run_id})",
+            run_id=ctx.run.run_id,
+            step_id=undo_id,
+            idempotency_key=undo.idempotency_key,
+        )
+    await _compensated(ctx, op, by_run=undo.run_id)
+    return True
 
 
 async def _compensated(ctx: RunContext, op: OperationRecord, **payload: str) -> None:
