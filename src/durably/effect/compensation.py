@@ -11,7 +11,7 @@ from durably.definitions import ToolDef
 from durably.effect.protocol import Effect
 from durably.errors import InvalidTransition, StepFailed
 from durably.execution import RunContext
-from durably.keys import json_value, plain_json, undo_key
+from durably.keys import json_value, undo_key
 from durably.reconcile import Operation
 from durably.status import OperationStatus
 from durably.store.base import (
@@ -145,22 +145,7 @@ async def _compensated(ctx: RunContext, op: OperationRecord, **payload: str) -> 
                     {"tool": op.tool, "idempotency_key": op.idempotency_key, **payload},
                 )
             ],
-            operation=OperationWrite(
-                tenant=current.tenant,
-                idempotency_key=current.idempotency_key,
-                run_id=current.run_id,
-                step_id=current.step_id,
-                plan_version=current.plan_version,
-                tool=current.tool,
-                tool_version=current.tool_version,
-                input_hash=current.input_hash,
-                arguments_json=plain_json(current.arguments),
-                status=OperationStatus.COMPENSATED,
-                result_json=current.result_json,
-                external_operation_id=current.external_operation_id,
-                attempt=current.attempt,
-                expect_row_version=current.row_version,
-            ),
+            operation=OperationWrite.update_of(current, OperationStatus.COMPENSATED),
         )
     )
     ctx.operations[op.idempotency_key] = replace(

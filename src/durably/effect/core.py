@@ -290,6 +290,12 @@ class EffectCore:
             result=result,
         )
 
+    def _retry_delay(self, op: OperationRecord) -> float:
+        """Seconds before the next attempt after ``op``'s last: the retry policy's backoff,
+        or longer if the service said when to come back (``retry_after``)."""
+        delay = self.tool.retry.delay_s(op.attempt)
+        return max(delay, float((op.error or {}).get("retry_after_s", 0)))
+
     def _replay_mode(self) -> ReplayMode | None:
         """The replay mode of the fork this call is in (None: not a fork)."""
         fork = self.ctx.run.input.get("fork")

@@ -144,9 +144,7 @@ class Effect(Replaying, Reconciling, Approving, Recording):
             elif action is Action.RETRY:
                 assert op is not None
                 self._stop_if_cancelled()  # the last attempt is known not to have acted
-                delay = self.tool.retry.delay_s(op.attempt)
-                delay = max(delay, float((op.error or {}).get("retry_after_s", 0)))
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._retry_delay(op))
                 await self._claim("effect_retrying")
             elif action is Action.RAISE:
                 assert op is not None

@@ -46,9 +46,7 @@ class Reconciling(EffectCore):
             # A sandbox call is sent again to the sandbox: the real service, which never saw
             # it, is not asked about it.
             if op.attempt < self.tool.retry.max_attempts:
-                # A resend the service throttled said when to come back (retry_after).
-                delay = self.tool.retry.delay_s(op.attempt)
-                await asyncio.sleep(max(delay, float((op.error or {}).get("retry_after_s", 0))))
+                await asyncio.sleep(self._retry_delay(op))
                 await self._claim("effect_resent", resend=True)
             else:
                 await self._pause()

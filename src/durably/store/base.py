@@ -14,9 +14,10 @@ import asyncio
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from durably.checkpoint import CheckpointDraft
+from durably.keys import plain_json
 from durably.metrics import LedgerFigures
 from durably.status import OperationStatus, RunStatus, StepStatus
 
@@ -269,6 +270,28 @@ class OperationWrite:
     """A fork's copy of a call another run made: that run's operation key (the first one's,
     through forks of forks). Every run holding a record of the effect undoes it under one
     key derived from it, so it is undone once. Written with the insert only."""
+
+    @classmethod
+    def update_of(cls, op: OperationRecord, status: OperationStatus, **changes: Any) -> Self:
+        """The conditional update of the recorded ``op`` to ``status``: its fields as recorded,
+        but ``changes``; refused if another writer changed its row since it was read."""
+        fields: dict[str, Any] = dict(
+            tenant=op.tenant,
+            idempotency_key=op.idempotency_key,
+            run_id=op.run_id,
+            step_id=op.step_id,
+            plan_version=op.plan_version,
+            tool=op.tool,
+            tool_version=op.tool_version,
+            input_hash=op.input_hash,
+            arguments_json=plain_json(op.arguments),
+            status=status,
+            result_json=op.result_json,
+            external_operation_id=op.external_operation_id,
+            attempt=op.attempt,
+            expect_row_version=op.row_version,
+        )
+        return cls(**{**fields, **changes})
 
 
 @dataclass(frozen=True)
