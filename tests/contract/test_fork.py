@@ -4,6 +4,9 @@ under its replay mode. What the services received is counted by the tools themse
 from __future__ import annotations
 
 import asyncio
+import random
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -547,3 +550,58 @@ def test_a_sandbox_call_of_unknown_outcome_is_not_looked_up_at_the_real_service(
     assert done.status is RunStatus.COMPLETED, done.error
     assert done.result == "room for cy (sandbox)"
     assert sent == Counter({"hotel": 1, "sandbox": 2})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_run_and_its_fork_undoing_at_the_same_moment_undo_once(
+    make_app: MakeApp, seed: int
+) -> None:
+    """The source is cancelled with compensations while its approved live fork undoes the
+    same booking, from two threads: whichever looks first, and whether the other finds the
+    undo made, under way or not yet recorded, the booking is released once and both runs
+    end cancelled with it compensated."""
+    app = make_app()
+    sent: Counter[str] = Counter()
+    lag = random.Random(seed)
+
+    def release(op: durably.Operation) -> None:
+        time.sleep(lag.random() * 0.2)
+        sent[f"release {op.step_id}"] += 1
+
+    @app.tool(idempotent=True, compensate=release)
+    def book(k: int) -> int:
+        sent[f"book {k}"] += 1
+        return k
+
+    @app.workflow()
+    async def trip() -> Any:
+        await book(0)
+        return await durably.wait_for_event("go")
+
+    source = app.run(trip)
+    forked = app.fork(source.run_id, replay=ReplayMode.LIVE_WITH_NEW_APPROVAL)
+    assert app.cancel(forked.run_id, compensate=True).status is RunStatus.WAITING_APPROVAL
+    app.approve(forked.run_id, by="ana")
+    together = threading.Barrier(2)
+
+    def cancel_source() -> None:
+        together.wait()
+        time.sleep(lag.random() * 0.05)
+        app.cancel(source.run_id, compensate=True)
+
+    def run_fork() -> None:
+        together.wait()
+        time.sleep(lag.random() * 0.05)
+        app.worker().run(until_idle=True)
+
+    threads = [threading.Thread(target=cancel_source), threading.Thread(target=run_fork)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sent == Counter({"book 0": 1, "release book#1": 1})
+    for run_id in (source.run_id, forked.run_id):
+        ended = app.get_run(run_id)
+        assert ended.status is RunStatus.CANCELLED, (run_id, ended.status, ended.error)
+        assert ended.error is None
+        assert effect_statuses(app, run_id)["book#1"] == "compensated"

@@ -495,6 +495,26 @@ def test_operation_key_is_unique(store: Store) -> None:
         run(store.commit(claim.lease, Transition(events=[], operation=op_write())))
 
 
+def test_an_operation_is_found_by_its_key_whichever_run_recorded_it(store: Store) -> None:
+    """``operation`` reads one operation by (tenant, key), with the origin its insert named;
+    another tenant's key, or an unknown one, is nothing."""
+    run(store.create_run(new_run()))
+    claim = run(store.claim_run("r1", "w1", 30))
+    assert claim is not None
+    write = op_write(status=OperationStatus.SUCCEEDED, result_json='"ok"', origin_key="k0")
+    run(store.commit(claim.lease, Transition(events=[], operation=write)))
+    found = run(store.operation("default", "k1"))
+    assert found is not None
+    assert (found.run_id, found.status, found.result_json) == (
+        "r1",
+        OperationStatus.SUCCEEDED,
+        '"ok"',
+    )
+    assert found.origin_key == "k0"
+    assert run(store.operation("other", "k1")) is None
+    assert run(store.operation("default", "k2")) is None
+
+
 def test_operation_update_is_conditional_on_row_version(store: Store) -> None:
     """Two writers holding the same row version: only the first update applies."""
     run(store.create_run(new_run()))

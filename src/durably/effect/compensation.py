@@ -65,7 +65,7 @@ async def compensate(
             # cancellation takes it up (and meets its failure again, if it failed).
             ctx.reached.pop(undo_id, None)
         key = _undo_key(ctx, op, undo_id)
-        if key not in ctx.operations and await _undone_elsewhere(ctx, op, undo_id, key):
+        if not _recorded_here(ctx, key) and await _undone_elsewhere(ctx, op, undo_id, key):
             done.append(op.step_id)
             continue
         undo = ctx.engine.registry.compensation_def(tool)
@@ -85,7 +85,7 @@ async def compensate(
             await undoing.settle()
         except InvalidTransition:
             # Another run recorded the undo between the look and this run's intent.
-            if key in ctx.operations or not await _undone_elsewhere(ctx, op, undo_id, key):
+            if _recorded_here(ctx, key) or not await _undone_elsewhere(ctx, op, undo_id, key):
                 raise
             done.append(op.step_id)
             continue
@@ -102,6 +102,14 @@ def _undo_key(ctx: RunContext, op: OperationRecord, undo_id: str) -> str:
     if recorded is not None and recorded.idempotency_key is not None:
         return recorded.idempotency_key
     return undo_key(op.origin_key or op.idempotency_key)
+
+
+def _recorded_here(ctx: RunContext, key: str) -> bool:
+    """Whether this run recorded the undo under ``key``. Its journal may hold another run's:
+    the step of an undo that waited here for its approval carries the shared key, which
+    finds the other run's record once that run made the undo."""
+    undo = ctx.operations.get(key)
+    return undo is not None and undo.run_id == ctx.run.run_id
 
 
 async def _undone_elsewhere(ctx: RunContext, op: OperationRecord, undo_id: str, key: str) -> bool:
